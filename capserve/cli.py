@@ -1,0 +1,59 @@
+"""``capserve`` command line: one subcommand per module, each with ``add_arguments(parser)`` and ``run(args)``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand → (module, help); modules are imported only when their command runs
+COMMANDS = {
+    "train": ("capserve.train", "train a model (single GPU/CPU, or torchrun for DDP)"),
+    "evaluate": ("capserve.evaluate", "accuracy of a checkpoint on a test set, per routing iteration count"),
+    "export": ("capserve.export.cli", "export a checkpoint to ONNX, or an ONNX file to a TensorRT engine"),
+    "verify": ("capserve.export.verify", "compare an exported artifact with eager PyTorch"),
+    "models": ("capserve.cli", "list the named model configurations"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:  # the `models` command
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    from capserve.configs import MODELS
+
+    for name, config in sorted(MODELS.items()):
+        print(f"{name:28s} {config.task:13s} {config.num_classes:4d} classes  {config.pose} poses  "
+              f"{config.backbone} backbone")  # fmt: skip
+    return 0
+
+
+class UsageError(Exception):
+    """A mistake in the command line or its inputs: printed as one line, exit status 2, no traceback."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="capserve", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", required=True)
+    argv = sys.argv[1:] if argv is None else argv
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        # only the chosen command's module is imported (keeps `capserve models` free of onnx/tensorrt)
+        if name in argv:
+            importlib.import_module(module).add_arguments(p)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+    except (UsageError, ValueError, FileNotFoundError, TypeError) as e:
+        print(f"capserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Model configurations as data: one frozen dataclass per model, one named table.
+
+Only independent choices are stored; every size (feature maps, capsule counts) is derived and checked in
+``__post_init__``, so a bad override fails at construction with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+CIFAR10_LABELS = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+CIFAR100_LABELS = (
+    "apple", "aquarium_fish", "baby", "bear", "beaver", "bed", "bee", "beetle", "bicycle", "bottle", "bowl", "boy",
+    "bridge", "bus", "butterfly", "camel", "can", "castle", "caterpillar", "cattle", "chair", "chimpanzee", "clock",
+    "cloud", "cockroach", "couch", "crab", "crocodile", "cup", "dinosaur", "dolphin", "elephant", "flatfish", "forest",
+    "fox", "girl", "hamster", "house", "kangaroo", "keyboard", "lamp", "lawn_mower", "leopard", "lion", "lizard",
+    "lobster", "man", "maple_tree", "motorcycle", "mountain", "mouse", "mushroom", "oak_tree", "orange", "orchid",
+    "otter", "palm_tree", "pear", "pickup_truck", "pine_tree", "plain", "plate", "poppy", "porcupine", "possum",
+    "rabbit", "raccoon", "ray", "road", "rocket", "rose", "sea", "seal", "shark", "shrew", "skunk", "skyscraper",
+    "snail", "snake", "spider", "squirrel", "streetcar", "sunflower", "sweet_pepper", "table", "tank", "telephone",
+    "television", "tiger", "tractor", "train", "trout", "tulip", "turtle", "wardrobe", "whale", "willow_tree", "wolf",
+    "woman", "worm",
+)  # fmt: skip
+DIGIT_LABELS = tuple(str(d) for d in range(10))
+# The authors' CIFAR normalisation (their code's std, not the dataset's measured one).
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2023, 0.1994, 0.2010)
+MNIST_MEAN = (0.1307, 0.1307, 0.1307)
+MNIST_STD = (0.3081, 0.3081, 0.3081)
+
+Task = Literal["single_label", "multi_label"]
+
+
+@dataclass(frozen=True)
+class CapsuleLayerConfig:
+    """One routed capsule layer between the primary capsules and the class capsules."""
+
+    kind: Literal["conv", "fc"]
+    types: int  # parent capsule types J
+    kernel_size: int = 1  # conv only: k, the window is k×k over all child types
+    stride: int = 1  # conv only
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("conv", "fc"):
+            raise ValueError(f"capsule layer kind must be 'conv' or 'fc', got {self.kind!r}")
+        if self.types < 1 or self.kernel_size < 1 or self.stride < 1:
+            raise ValueError(f"capsule layer sizes must be positive, got {self}")
+        if self.kind == "fc" and (self.kernel_size, self.stride) != (1, 1):
+            raise ValueError("fc capsule layers take no kernel_size or stride")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything needed to build a capsule network and to preprocess its input."""
+
+    name: str
+    labels: tuple[str, ...]
+    task: Task = "single_label"
+    # input and its normalisation (read by training, export and the service alike)
+    in_channels: int = 3
+    image_size: int = 32
+    mean: tuple[float, ...] = CIFAR_MEAN
+    std: tuple[float, ...] = CIFAR_STD
+    # backbone: "resnet" = conv3×3-64 + 3 BasicBlocks@64 + 4@channels (first strided); "simple" = one conv3×3
+    backbone: Literal["resnet", "simple"] = "resnet"
+    backbone_channels: int = 128
+    backbone_stride: int = 2
+    # primary capsules: a conv to primary_types × pose_dim channels, LayerNorm over each pose
+    primary_types: int = 32
+    primary_kernel: int = 1
+    primary_stride: int = 1
+    primary_padding: int = 0
+    pose: Literal["matrix", "vector"] = "matrix"
+    pose_dim: int = 16  # D: 16 is a 4×4 matrix for matrix poses
+    capsules: tuple[CapsuleLayerConfig, ...] = ()  # the class capsule layer (fc, one type per label) is implied
+    # routing
+    iterations: int = 2
+    routing: Literal["concurrent", "sequential"] = "concurrent"
+    layer_norm: bool = True  # ablation: False replaces LayerNorm by identity
+    activations: bool = False  # ablation: children scaled by a learned sigmoid activation before voting
+    # multi-label decision thresholds per class, calibrated on a validation split (None: 0.5 each)
+    thresholds: tuple[float, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # free-form provenance (never code)
+
+    def __post_init__(self) -> None:
+        # JSON gives lists; keep the dataclass hashable and immutable
+        for name in ("labels", "mean", "std", "thresholds"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        layers = tuple(c if isinstance(c, CapsuleLayerConfig) else CapsuleLayerConfig(**c) for c in self.capsules)
+        object.__setattr__(self, "capsules", layers)
+
+        if self.task not in ("single_label", "multi_label"):
+            raise ValueError(f"task must be 'single_label' or 'multi_label', got {self.task!r}")
+        if self.backbone not in ("resnet", "simple"):
+            raise ValueError(f"backbone must be 'resnet' or 'simple', got {self.backbone!r}")
+        if self.pose not in ("matrix", "vector"):
+            raise ValueError(f"pose must be 'matrix' or 'vector', got {self.pose!r}")
+        if self.routing not in ("concurrent", "sequential"):
+            raise ValueError(f"routing must be 'concurrent' or 'sequential', got {self.routing!r}")
+        if self.pose == "matrix" and math.isqrt(self.pose_dim) ** 2 != self.pose_dim:
+            raise ValueError(f"matrix poses need a square pose_dim (16 = 4×4), got {self.pose_dim}")
+        if len(self.labels) < 2:
+            raise ValueError("a model needs at least two labels")
+        if len(self.mean) != self.in_channels or len(self.std) != self.in_channels:
+            raise ValueError(f"mean and std need {self.in_channels} values, one per input channel")
+        if any(s <= 0 for s in self.std):
+            raise ValueError("std values must be positive")
+        if self.iterations < 1:
+            raise ValueError(f"iterations must be >= 1, got {self.iterations}")
+        if self.thresholds is not None and (
+            len(self.thresholds) != len(self.labels) or not all(0 < t < 1 for t in self.thresholds)
+        ):
+            raise ValueError("thresholds need one value in (0, 1) per label")
+        for size in self.spatial_sizes:
+            if size < 1:
+                raise ValueError(
+                    f"{self.name}: feature map shrinks to {size} (sizes {self.spatial_sizes}); "
+                    "use a larger image_size or smaller kernels/strides"
+                )
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.labels)
+
+    @property
+    def feature_size(self) -> int:
+        """Side of the backbone's output feature map (3×3 convs with padding 1)."""
+        return (self.image_size - 1) // self.backbone_stride + 1
+
+    @property
+    def spatial_sizes(self) -> tuple[int, ...]:
+        """Side of each capsule layer's grid: primary, then each conv layer (fc layers have none)."""
+        size = (self.feature_size + 2 * self.primary_padding - self.primary_kernel) // self.primary_stride + 1
+        sizes = [size]
+        for layer in self.capsules:
+            if layer.kind == "fc":
+                break
+            size = (size - layer.kernel_size) // layer.stride + 1
+            sizes.append(size)
+        return tuple(sizes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build a config from JSON data, refusing keys this version does not know."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**data)
+
+
+def _cifar_layers(extra_fc: tuple[int, ...] = ()) -> tuple[CapsuleLayerConfig, ...]:
+    return (
+        CapsuleLayerConfig("conv", 32, kernel_size=3, stride=2),
+        CapsuleLayerConfig("conv", 32, kernel_size=3, stride=1),
+        *(CapsuleLayerConfig("fc", t) for t in extra_fc),
+    )
+
+
+_MULTIMNIST = dict(
+    labels=DIGIT_LABELS, task="multi_label", image_size=36, mean=MNIST_MEAN, std=MNIST_STD,
+    backbone="simple", backbone_channels=1024, backbone_stride=2,
+    primary_types=16, primary_kernel=3, primary_stride=2, primary_padding=1, pose_dim=64,
+    capsules=(CapsuleLayerConfig("conv", 16, kernel_size=3, stride=1), CapsuleLayerConfig("fc", 10)),
+)  # fmt: skip
+
+MODELS: dict[str, ModelConfig] = {
+    c.name: c
+    for c in (
+        ModelConfig("cifar10-resnet", CIFAR10_LABELS, capsules=_cifar_layers()),
+        ModelConfig("cifar10-simple", CIFAR10_LABELS, backbone="simple", capsules=_cifar_layers()),
+        ModelConfig("cifar100-resnet", CIFAR100_LABELS, pose_dim=36, capsules=_cifar_layers((20,))),
+        ModelConfig("cifar100-simple", CIFAR100_LABELS, backbone="simple", pose_dim=36, capsules=_cifar_layers((20,))),
+        ModelConfig("multimnist-matrix", pose="matrix", **_MULTIMNIST),
+        ModelConfig("multimnist-vector", pose="vector", **_MULTIMNIST),
+        # CPU-trainable DiverseMultiMNIST variant: 256 backbone channels and 4×4 poses (0.6 M parameters
+        # instead of 10 M), same layer structure as multimnist-matrix.
+        ModelConfig(
+            "multimnist-matrix-small", pose="matrix", **{**_MULTIMNIST, "backbone_channels": 256, "pose_dim": 16}
+        ),
+    )
+}
+
+
+def list_models() -> list[str]:
+    """Names accepted by ``create_model``, sorted."""
+    return sorted(MODELS)
+
+
+def get_config(name: str, **overrides: Any) -> ModelConfig:
+    """The named configuration with ``overrides`` applied (validated like any config)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(list_models())}")
+    config = MODELS[name]
+    return dataclasses.replace(config, **overrides) if overrides else config

@@ -1,0 +1,139 @@
+"""Network layers: the two CIFAR backbones, primary capsules and routed capsule layers.
+
+Capsule poses travel between layers channel-last: (B, H, W, I, D) on a grid, (B, I, D) after a fully
+connected capsule layer. Routing itself lives in ``capserve.routing``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from capserve import routing
+from capserve.configs import CapsuleLayerConfig
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block (two 3×3 convs + BN), projection shortcut when the shape changes."""
+
+    def __init__(self, in_channels: int, channels: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_channels != channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, channels, 1, stride=stride, bias=False), nn.BatchNorm2d(channels)
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+def resnet_backbone(in_channels: int, channels: int, stride: int) -> nn.Sequential:
+    """The authors' CIFAR ResNet stem: conv3×3-64 + BN + ReLU, 3 blocks at 64, 4 at ``channels`` (first strided)."""
+    blocks = [BasicBlock(64, 64) for _ in range(3)]
+    blocks += [BasicBlock(64, channels, stride)] + [BasicBlock(channels, channels) for _ in range(3)]
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), *blocks
+    )
+
+
+def simple_backbone(in_channels: int, channels: int, stride: int) -> nn.Sequential:
+    """One biased conv3×3 + ReLU."""
+    return nn.Sequential(nn.Conv2d(in_channels, channels, 3, stride=stride, padding=1), nn.ReLU(inplace=True))
+
+
+def pose_norm(dim: int, enabled: bool) -> nn.Module:
+    return nn.LayerNorm(dim) if enabled else nn.Identity()
+
+
+class PrimaryCapsules(nn.Module):
+    """A bias-free conv to types × D channels; each D-vector is one capsule's pose, LayerNorm'd."""
+
+    def __init__(self, in_channels: int, types: int, pose_dim: int, kernel: int, stride: int, padding: int,
+                 layer_norm: bool = True):  # fmt: skip
+        super().__init__()
+        self.types, self.pose_dim = types, pose_dim
+        self.conv = nn.Conv2d(in_channels, types * pose_dim, kernel, stride=stride, padding=padding, bias=False)
+        self.norm = pose_norm(pose_dim, layer_norm)
+
+    def forward(self, features: Tensor) -> Tensor:
+        u = self.conv(features)  # (B, I·D, H, W)
+        B, _, H, W = u.shape
+        u = u.permute(0, 2, 3, 1).reshape(B, H, W, self.types, self.pose_dim)  # (B, H, W, I, D)
+        return self.norm(u)
+
+
+class CapsuleLayer(nn.Module):
+    """Parents routed from children by inverted dot-product attention; a conv layer or a fully connected one.
+
+    Conv: the children of the parent at (h, w) are the true k×k window (stride s, no padding) over all child
+    types, with weights shared across positions. FC: every child capsule (all types and positions) is a child
+    of every parent.
+
+    Args:
+        config: kind, parent types J, kernel and stride.
+        in_types: child capsule types I.
+        in_size: side of the child grid (0 when the children come from an fc layer).
+        pose: "matrix" or "vector"; pose_dim D is the same for children and parents.
+    Shapes:
+        children: (B, H, W, I, D) or (B, I, D); parents: (B, h, w, J, D) (conv) or (B, J, D) (fc).
+    """
+
+    def __init__(self, config: CapsuleLayerConfig, in_types: int, in_size: int, pose: str, pose_dim: int,
+                 layer_norm: bool = True, activations: bool = False):  # fmt: skip
+        super().__init__()
+        self.kind, self.kernel_size, self.stride = config.kind, config.kernel_size, config.stride
+        self.types = config.types
+        side = math.isqrt(pose_dim)
+        x, y = (side, side) if pose == "matrix" else (pose_dim, pose_dim)
+        if config.kind == "conv":
+            n = config.kernel_size**2 * in_types
+            fan_in = in_types * config.kernel_size**2
+        else:
+            n = in_types * max(in_size, 1) ** 2
+            fan_in = n
+        # the authors' init: N(0, 1) · √(J / (√D·N_in·K²)) for matrix poses (D_in in place of √D for vectors)
+        std = math.sqrt(config.types / (x * fan_in))
+        self.weight = nn.Parameter(torch.randn(n, config.types, x, y) * std)  # (N, J, X, Y), N = (kh, kw, I)
+        self.norm = pose_norm(pose_dim, layer_norm)
+        self.activation = nn.Linear(pose_dim, 1) if activations else None
+
+    def group_children(self, u: Tensor) -> Tensor:
+        """Child poses grouped by the parent position they reach: (B, P, N, D)."""
+        if self.activation is not None:
+            u = u * torch.sigmoid(self.activation(u))  # capsule activations ablation: scale each child pose
+        if self.kind == "fc":
+            return u.reshape(u.shape[0], 1, -1, u.shape[-1])  # (B, 1, N, D)
+        k, s = self.kernel_size, self.stride
+        windows = u.unfold(1, k, s).unfold(2, k, s)  # (B, h, w, I, D, k, k)
+        B, h, w, I, D = windows.shape[:5]
+        return windows.permute(0, 1, 2, 5, 6, 3, 4).reshape(B, h * w, k * k * I, D)  # (B, P, N, D)
+
+    def _grid(self, parents: Tensor, u: Tensor) -> Tensor:
+        """(B, P, J, D) → the layer's output layout."""
+        B, P, J, D = parents.shape
+        if self.kind == "fc":
+            return parents.view(B, J, D)  # (B, J, D)
+        side = (u.shape[1] - self.kernel_size) // self.stride + 1
+        return parents.view(B, side, P // side, J, D)  # (B, h, w, J, D)
+
+    def forward(self, u: Tensor, parents: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """One routing iteration: uniform when ``parents`` is None, else attention to the given parents.
+
+        Returns the new parent poses and the routing coefficients (B, P, N, J) (None for the uniform step).
+        """
+        children = self.group_children(u)
+        if parents is None:
+            return self._grid(routing.uniform_step(children, self.weight, self.norm), u), None
+        B, J, D = parents.shape[0], parents.shape[-2], parents.shape[-1]
+        new, coefficients = routing.routing_step(children, self.weight, parents.reshape(B, -1, J, D), self.norm)
+        return self._grid(new, u), coefficients

@@ -1,0 +1,122 @@
+"""The capsule network: backbone → primary capsules → routed capsule layers → class capsules → logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from capserve.configs import CapsuleLayerConfig, ModelConfig
+from capserve.layers import CapsuleLayer, PrimaryCapsules, resnet_backbone, simple_backbone
+
+BACKBONES = {"resnet": resnet_backbone, "simple": simple_backbone}
+
+
+@dataclass(frozen=True)
+class RoutingTrace:
+    """What routing produced for one batch, for explanation.
+
+    Attributes:
+        logits: (B, C).
+        poses: per capsule level, primary first: (B, H, W, I, D) on a grid or (B, I, D) after an fc layer.
+        coefficients: per routed layer, the routing probabilities of the last iteration that reached the output,
+            (B, P, N, J) with P the parent positions (h·w, or 1 for fc) and N the children of each position
+            (k·k·I in (kh, kw, I) order for conv; all child capsules in (H, W, I) order for fc). Uniform (1/J)
+            where that iteration was the first one.
+        iterations: T used.
+    """
+
+    logits: Tensor
+    poses: tuple[Tensor, ...]
+    coefficients: tuple[Tensor, ...]
+    iterations: int
+
+
+class CapsNet(nn.Module):
+    """Capsule network with inverted dot-product attention routing.
+
+    Example:
+        >>> model = capserve.create_model("cifar10-resnet")
+        >>> model(torch.randn(8, 3, 32, 32), iterations=3).shape
+        torch.Size([8, 10])
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.backbone = BACKBONES[c.backbone](c.in_channels, c.backbone_channels, c.backbone_stride)
+        self.primary = PrimaryCapsules(c.backbone_channels, c.primary_types, c.pose_dim, c.primary_kernel,
+                                       c.primary_stride, c.primary_padding, c.layer_norm)  # fmt: skip
+        specs = (*c.capsules, CapsuleLayerConfig("fc", c.num_classes))
+        sizes = (*c.spatial_sizes, *[0] * len(specs))  # grid side of each layer's children (0: no grid)
+        in_types = (c.primary_types, *(s.types for s in specs[:-1]))
+        self.capsules = nn.ModuleList(
+            CapsuleLayer(spec, in_types[i], sizes[i], c.pose, c.pose_dim, c.layer_norm, c.activations)
+            for i, spec in enumerate(specs)
+        )
+        self.classifier = nn.Linear(c.pose_dim, 1)  # one logit head shared by all class capsules
+
+    def forward(self, x: Tensor, iterations: int | None = None) -> Tensor:
+        """Logits (B, C) for images (B, C_in, H, W) after ``iterations`` routing iterations (default: config's)."""
+        poses, _ = self._route(x, self._iterations(iterations), keep_coefficients=False)
+        return self.classifier(poses[-1]).squeeze(-1)  # (B, C)
+
+    @torch.no_grad()
+    def trace(self, x: Tensor, iterations: int | None = None) -> RoutingTrace:
+        """Logits together with every layer's poses and routing coefficients (see ``RoutingTrace``)."""
+        T = self._iterations(iterations)
+        poses, coefficients = self._route(x, T, keep_coefficients=True)
+        logits = self.classifier(poses[-1]).squeeze(-1)
+        return RoutingTrace(logits, tuple(poses), tuple(coefficients), T)
+
+    def _iterations(self, iterations: int | None) -> int:
+        T = self.config.iterations if iterations is None else iterations
+        if not isinstance(T, int) or T < 1:
+            raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
+        return T
+
+    def _route(self, x: Tensor, T: int, keep_coefficients: bool) -> tuple[list[Tensor], list[Tensor]]:
+        if x.ndim != 4 or x.shape[1] != self.config.in_channels:
+            raise ValueError(f"expected images (B, {self.config.in_channels}, H, W), got {tuple(x.shape)}")
+        poses = [self.primary(self.backbone(x))]  # (B, H, W, I, D)
+        coefficients: list[Tensor | None] = []
+        L = len(self.capsules)
+        if self.config.routing == "sequential":
+            # all T iterations of layer ℓ, with its children fixed, before layer ℓ+1 starts
+            for layer in self.capsules:
+                parents, c = layer(poses[-1])
+                for _ in range(T - 1):
+                    parents, c = layer(poses[-1], parents)
+                poses.append(parents)
+                coefficients.append(c)
+        else:
+            # iteration 1: a forward pass with uniform routing
+            for layer in self.capsules:
+                parents, c = layer(poses[-1])
+                poses.append(parents)
+                coefficients.append(c)
+            # iterations 2..T: every layer from the previous iteration's poses, all at once. Layer ℓ (1..L) at
+            # iteration t reaches the output only if t <= T - (L - ℓ): later updates are never read, so skip them.
+            for t in range(2, T + 1):
+                previous = list(poses)
+                for i, layer in enumerate(self.capsules):
+                    if t <= T - (L - 1 - i):
+                        poses[i + 1], coefficients[i] = layer(previous[i], previous[i + 1])
+        if keep_coefficients:
+            coefficients = [self._uniform(i, poses) if c is None else c for i, c in enumerate(coefficients)]
+        return poses, coefficients  # type: ignore[return-value]
+
+    def _uniform(self, i: int, poses: list[Tensor]) -> Tensor:
+        layer = self.capsules[i]
+        children = layer.group_children(poses[i])  # (B, P, N, D)
+        B, P, N, _ = children.shape
+        return children.new_full((B, P, N, layer.types), 1.0 / layer.types)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``model.safetensors`` and ``config.json`` into ``directory`` (see ``capserve.load``)."""
+        from capserve.checkpoint import save_model
+
+        return save_model(self, directory)
