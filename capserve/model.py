@@ -33,6 +33,26 @@ class RoutingTrace:
     coefficients: tuple[Tensor, ...]
     iterations: int
 
+    def part_whole(self) -> Tensor:
+        """How strongly each capsule of the last grid layer routes to each class: (B, C, H, W, I).
+
+        Read straight from the class layer's coefficients when its children lie on a grid; through fc capsule
+        layers, the routing probabilities are chained (child → fc capsule → class), so each grid capsule's
+        values over the classes still sum to 1.
+        """
+        return part_whole(self.poses, self.coefficients)
+
+
+def part_whole(poses: tuple[Tensor, ...] | list[Tensor], coefficients: tuple[Tensor, ...] | list[Tensor]) -> Tensor:
+    """See ``RoutingTrace.part_whole``; a function so that export can trace it into a graph."""
+    i = len(coefficients) - 1
+    flow = coefficients[i][:, 0]  # (B, N, C): the class layer has one position
+    while poses[i].ndim == 3:  # the children of layer i are an fc layer's capsules
+        i -= 1
+        flow = torch.bmm(coefficients[i][:, 0], flow)  # (B, N_i, C)
+    B, H, W, I = poses[i].shape[:4]
+    return flow.reshape(B, H, W, I, -1).permute(0, 4, 1, 2, 3)  # (B, C, H, W, I)
+
 
 class CapsNet(nn.Module):
     """Capsule network with inverted dot-product attention routing.

@@ -173,3 +173,13 @@ def test_gradients_reach_every_parameter():
     model(tiny_input(model, 2), iterations=3).sum().backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_part_whole_parse_is_a_distribution_over_classes(model_name):
+    model = tiny_model(model_name)
+    trace = model.trace(tiny_input(model, 2), iterations=3)
+    parse = trace.part_whole()
+    grid = [p for p in trace.poses if p.ndim == 5][-1]
+    B, H, W, I = grid.shape[:4]
+    assert parse.shape == (B, model.config.num_classes, H, W, I)
+    torch.testing.assert_close(parse.sum(1), torch.ones(B, H, W, I, device=DEVICE))

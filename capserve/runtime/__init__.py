@@ -1,4 +1,6 @@
-"""Runtimes behind one interface: ``load_runtime(path, backend, device)`` → ``.predict()``, ``.metadata``, ``.providers``.
+"""Runtimes behind one interface.
+
+``load_runtime(path, backend, device)`` gives ``.predict()``, ``.explain()``, ``.metadata`` and ``.providers``.
 
 Backends: ``torch`` (a model directory), ``onnxruntime`` (an .onnx file), ``tensorrt`` (a serialised engine).
 Each backend imports its optional packages only when chosen.
@@ -10,7 +12,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from capserve.runtime.base import InputError, ModelMetadata, Runtime, RuntimeLoadError
+from capserve.runtime.base import Explanation, InputError, ModelMetadata, Runtime, RuntimeLoadError
 
 # backend name → "module:class"; imported on first use so that torch-only installs never import onnxruntime
 BACKENDS = {
@@ -49,4 +51,13 @@ def load_runtime(path: str | Path, backend: str | None = None, device: str = "cp
     return getattr(importlib.import_module(module), cls)(path, device=device, **options)
 
 
-__all__ = ["BACKENDS", "InputError", "ModelMetadata", "Runtime", "RuntimeLoadError", "infer_backend", "load_runtime"]
+__all__ = [
+    "BACKENDS",
+    "Explanation",
+    "InputError",
+    "ModelMetadata",
+    "Runtime",
+    "RuntimeLoadError",
+    "infer_backend",
+    "load_runtime",
+]

@@ -81,6 +81,14 @@ class ModelMetadata:
         return (self.in_channels, self.image_size, self.image_size)
 
 
+@dataclass(frozen=True)
+class Explanation:
+    """A prediction with the part-whole parse that routing produced (see ``RoutingTrace.part_whole``)."""
+
+    logits: np.ndarray  # (B, C)
+    part_whole: np.ndarray  # (B, C, H, W, I): how strongly each grid capsule routes to each class
+
+
 class Runtime(ABC):
     """A loaded model: ``predict`` maps normalised float32 images (B, C, H, W) to logits (B, num_classes)."""
 
@@ -98,6 +106,10 @@ class Runtime(ABC):
     def predict(self, batch: np.ndarray) -> np.ndarray:
         """Logits (B, C) as float32 for a checked batch of normalised images (B, C, H, W)."""
         return self._predict(self.check_batch(batch))
+
+    def explain(self, batch: np.ndarray) -> Explanation:
+        """Logits and part-whole parse; backends without routing outputs raise NotImplementedError."""
+        raise NotImplementedError(f"the {self.backend} backend cannot explain this artifact")
 
     def check_batch(self, batch: np.ndarray) -> np.ndarray:
         if not isinstance(batch, np.ndarray):

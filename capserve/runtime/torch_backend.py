@@ -11,7 +11,7 @@ import torch
 import capserve
 from capserve.checkpoint import WEIGHTS, CheckpointError
 from capserve.model import RoutingTrace
-from capserve.runtime.base import ModelMetadata, Runtime, RuntimeLoadError
+from capserve.runtime.base import Explanation, ModelMetadata, Runtime, RuntimeLoadError
 
 
 def file_sha256(path: str | Path) -> str:
@@ -50,3 +50,7 @@ class TorchRuntime(Runtime):
         """Logits, poses and routing coefficients of every layer (eager only)."""
         x = torch.from_numpy(self.check_batch(batch)).to(self.device)
         return self.model.trace(x, iterations=self.iterations)
+
+    def explain(self, batch: np.ndarray) -> Explanation:
+        trace = self.trace(batch)
+        return Explanation(trace.logits.float().cpu().numpy(), trace.part_whole().float().cpu().numpy())
