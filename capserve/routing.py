@@ -9,9 +9,14 @@ capsule layer; for a conv capsule layer the children of a position are its k×k 
     update      p_j  = LayerNorm(Σ_i r_ij v_ij)
 
 Parents start at zero, so the first step has a_ij = 0 and routes uniformly, r_ij = 1/J. That step needs no
-votes at all: Σ_i v_ij / J is one matrix product of the children with the stacked weights, which is how
-``uniform_step`` computes it. ``routing_step`` builds the (N, B, P, r, J, Y) vote tensor once and reads it
-twice, with the contractions as batched matrix products.
+votes at all: Σ_i v_ij / J is one matrix product of the children with the stacked weights (``uniform_step``),
+or, for a conv capsule layer, one ``conv2d`` over the child grid (``uniform_conv_step``), which also skips
+gathering the k×k windows.
+
+Later steps need every vote: the agreement is a three-way contraction (children, weights, parents), and any
+two-operand order builds a tensor of D values per (child, parent, position). ``routing_step`` builds that
+tensor once, as the votes laid out (N, B, P, J, D), and reads it in place twice: the agreement and the
+weighted sum are both batched matrix products over (B·P·J) with the children as the inner dimension.
 
 Weights have shape (N, J, X, Y): a child pose of D values is viewed as r rows of X values (matrix: r = X = √D;
 vector: r = 1, X = D_in) and each row is mapped to Y values, so a parent pose has D_out = r·Y values.
@@ -22,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 Normalize = Callable[[Tensor], Tensor]
@@ -53,6 +59,49 @@ def uniform_step(children: Tensor, weight: Tensor, normalize: Normalize) -> Tens
     return normalize(s)
 
 
+def uniform_conv_step(grid: Tensor, weight: Tensor, kernel_size: int, stride: int, normalize: Normalize) -> Tensor:
+    """``uniform_step`` of a conv capsule layer, straight from the child grid: one ``conv2d``, no window copies.
+
+    Σ_i u_i W_ij over a k×k window of all child types is a convolution whose input channels are (type, column
+    of the pose row) and whose output channels are (parent type, column); the r pose rows ride in the batch.
+
+    Args:
+        grid: (B, H, W, I, D) child poses; the children of a position are its k×k window, in (kh, kw, I) order.
+        weight: (N, J, X, Y) transforms, N = k·k·I.
+    Returns:
+        (B, h, w, J, D_out) parent poses.
+    """
+    B, H, W, I, D = grid.shape
+    _, J, X, Y = weight.shape
+    r, k = D // X, kernel_size
+    # channels-last input (B·r, H, W, I·X): oneDNN's preferred layout, one copy of the (small) child grid
+    x = grid.reshape(B, H, W, I, r, X).permute(0, 4, 1, 2, 3, 5).reshape(B * r, H, W, I * X)  # (Br, H, W, IX)
+    x = x.permute(0, 3, 1, 2)  # (Br, IX, H, W), a channels-last view
+    w = weight.reshape(k, k, I, J, X, Y).permute(3, 5, 2, 4, 0, 1).reshape(J * Y, I * X, k, k)  # (JY, IX, k, k)
+    w = w.contiguous(memory_format=torch.channels_last)
+    s = F.conv2d(x, w, stride=stride)  # (Br, JY, h, w)
+    h, w_ = s.shape[-2:]
+    s = s.view(B, r, J, Y, h, w_).permute(0, 4, 5, 2, 1, 3).reshape(B, h, w_, J, r * Y)  # (B, h, w, J, D_out)
+    return normalize(s / J)
+
+
+def _block_weight(weight: Tensor, rows: int) -> Tensor:
+    """(N, J, X, Y) → (N, r·X, J·r·Y): each child's map from its whole pose to every parent's whole pose.
+
+    For matrix poses (r > 1) this is block-diagonal over the r pose rows, so that one product per child gives
+    the votes with each vote's D_out values adjacent, the layout both readers of the votes need; the zeros cost
+    r× the multiply-adds of the vote product, which stays bound by writing the votes out.
+    """
+    N, J, X, Y = weight.shape
+    w = weight.permute(0, 2, 1, 3)  # (N, X, J, Y)
+    if rows == 1:
+        return w.reshape(N, X, J * Y)  # (N, X, JY)
+    eye = torch.eye(rows, dtype=weight.dtype, device=weight.device)
+    # δ(ρ', ρ) W_ij[x, y] at [i, ρ', x, j, ρ, y]: a broadcast product of two operands
+    w = eye[None, :, None, None, :, None] * w[:, None, :, :, None, :]  # (N, r, X, J, r, Y)
+    return w.reshape(N, rows * X, J * rows * Y)  # (N, rX, J·D_out)
+
+
 def votes(children: Tensor, weight: Tensor) -> Tensor:
     """All votes v_ij, as one matrix product per child (batched over N).
 
@@ -60,14 +109,14 @@ def votes(children: Tensor, weight: Tensor) -> Tensor:
         children: (B, P, N, D) child poses.
         weight: (N, J, X, Y) transforms.
     Returns:
-        (N, B, P, r, J, Y) votes; the pose of vote (i, j) is [..., :, j, :] flattened to r·Y = D_out.
+        (N, B, P, J, D_out) votes: the pose of vote (i, j) at position (b, p) is [i, b, p, j, :].
     """
-    B, P, N, _ = children.shape
-    _, J, X, Y = weight.shape
+    B, P, N, D = children.shape
+    J, Y = weight.shape[1], weight.shape[3]
     r = _rows(children, weight)
-    u = children.permute(2, 0, 1, 3).reshape(N, B * P * r, X)  # (N, BPr, X)
-    w = weight.permute(0, 2, 1, 3).reshape(N, X, J * Y)  # (N, X, JY)
-    return torch.bmm(u, w).view(N, B, P, r, J, Y)  # (N, B, P, r, J, Y)
+    u = children.permute(2, 0, 1, 3).reshape(N, B * P, D)  # (N, BP, D)
+    v = torch.bmm(u, _block_weight(weight, r))  # (N, BP, J·D_out)
+    return v.view(N, B, P, J, r * Y)  # (N, B, P, J, D_out)
 
 
 def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: Normalize) -> tuple[Tensor, Tensor]:
@@ -79,18 +128,16 @@ def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: N
         parents: (B, P, J, D_out) parent poses from the previous iteration.
     Returns:
         parents: (B, P, J, D_out) updated parent poses.
-        coefficients: (B, P, N, J) routing probabilities r_ij, summing to 1 over J.
+        coefficients: (B, P, N, J) routing probabilities r_ij, summing to 1 over J (a transposed view).
     """
-    B, P = children.shape[:2]
-    J, Y = weight.shape[1], weight.shape[3]
-    v = votes(children, weight)  # (N, B, P, r, J, Y)
-    r = v.shape[3]
-    p = parents.reshape(B, P, J, r, Y).transpose(2, 3)  # (B, P, r, J, Y)
-    scale = (r * Y) ** -0.5
-    # a_ij = <p_j, v_ij> / √D: a product summed over the pose's rows and columns
-    logits = (v * p).sum(dim=(3, 5)).mul_(scale)  # (N, B, P, J)
-    coefficients = torch.softmax(logits, dim=-1)  # (N, B, P, J)
-    # Σ_i r_ij v_ij: weight each vote, sum over children (the leading dim, contiguous slabs)
-    s = (v * coefficients[:, :, :, None, :, None]).sum(dim=0)  # (B, P, r, J, Y)
-    s = s.transpose(2, 3).reshape(B, P, J, r * Y)  # (B, P, J, D_out)
-    return normalize(s), coefficients.permute(1, 2, 0, 3)  # (B, P, J, D_out), (B, P, N, J)
+    v = votes(children, weight)  # (N, B, P, J, D_out)
+    N, B, P, J, D = v.shape
+    # the votes seen per (b, p, j): N rows of D values, strided over the leading N; a view, never a copy
+    v = v.view(N, B * P * J, D).transpose(0, 1)  # (BPJ, N, D_out)
+    # a_ij = <p_j, v_ij> / √D, with the scale folded into the (small) parents
+    q = parents.reshape(B * P * J, D, 1) * D**-0.5  # (BPJ, D_out, 1)
+    logits = torch.bmm(v, q).view(B, P, J, N)  # (B, P, J, N)
+    coefficients = torch.softmax(logits, dim=2)  # (B, P, J, N)
+    # Σ_i r_ij v_ij: per (b, p, j) a (1, N) @ (N, D_out) product reading the votes in place
+    s = torch.bmm(coefficients.view(B * P * J, 1, N), v)  # (BPJ, 1, D_out)
+    return normalize(s.view(B, P, J, D)), coefficients.transpose(2, 3)  # (B, P, J, D_out), (B, P, N, J)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from capserve.configs import CapsuleLayerConfig
-from capserve.layers import CapsuleLayer
+from capserve.layers import CapsuleLayer, PrimaryCapsules
 
 
 @pytest.mark.parametrize(("kernel", "stride"), [(3, 1), (3, 2), (2, 2)])
@@ -46,3 +46,27 @@ def test_weights_are_shared_across_positions():
     a, _ = layer(u)
     b, _ = layer(shifted)
     torch.testing.assert_close(a[:, :, :-1], b[:, :, 1:])
+
+
+@pytest.mark.parametrize("activations", [False, True])
+@pytest.mark.parametrize("pose", ["matrix", "vector"])
+def test_conv_uniform_pass_equals_attention_from_zero_parents(pose, activations):
+    """The conv layer's first iteration (a conv2d on the grid) is the window-gathered routing from zero parents."""
+    torch.manual_seed(0)
+    layer = CapsuleLayer(CapsuleLayerConfig("conv", 5, 3, 2), 3, 7, pose, 16, activations=activations).double()
+    u = torch.randn(2, 7, 7, 3, 16, dtype=torch.float64)
+    uniform, _ = layer(u)
+    from_zero, coef = layer(u, torch.zeros_like(uniform))
+    torch.testing.assert_close(uniform, from_zero)
+    torch.testing.assert_close(coef, torch.full_like(coef, 1 / 5))
+
+
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_primary_capsules_are_the_conv_channels_as_poses(kernel):
+    torch.manual_seed(0)
+    primary = PrimaryCapsules(6, 4, 9, kernel, stride=1, padding=kernel // 2, layer_norm=False)
+    features = torch.randn(2, 6, 5, 5)
+    out = primary(features)
+    channels = primary.conv(features)  # (B, I·D, H, W)
+    assert out.shape == (2, 5, 5, 4, 9)
+    torch.testing.assert_close(out[1, 2, 3, 1], channels[1, 9:18, 2, 3])

@@ -98,3 +98,33 @@ def test_two_children_two_parents_by_hand():
     # with LayerNorm (ε aside) a 2-vector (a, b) becomes (1, -1) when a > b and (-1, 1) when a < b
     normed, _ = routing.routing_step(children, weight, parents, layer_norm)
     torch.testing.assert_close(normed[0, 0], torch.tensor([[1.0, -1.0], [-1.0, 1.0]]), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("pose", ["matrix", "vector"])
+def test_votes_layout_holds_each_vote_pose_contiguously(pose):
+    torch.manual_seed(3)
+    B, P, N, J, D = 2, 3, 4, 5, 9
+    x = y = 3 if pose == "matrix" else D
+    children = torch.randn(B, P, N, D, dtype=torch.float64)
+    weight = torch.randn(N, J, x, y, dtype=torch.float64)
+    v = routing.votes(children, weight)
+    assert v.shape == (N, B, P, J, D)
+    for b, p, i, j in [(0, 0, 0, 0), (1, 2, 3, 4), (1, 0, 2, 1)]:
+        u = children[b, p, i]
+        expected = (u.view(x, x) @ weight[i, j]).flatten() if pose == "matrix" else weight[i, j].T @ u
+        torch.testing.assert_close(v[i, b, p, j], expected)
+
+
+@pytest.mark.parametrize("pose", ["matrix", "vector"])
+@pytest.mark.parametrize(("kernel", "stride"), [(3, 1), (3, 2), (2, 2), (1, 1)])
+def test_uniform_conv_step_equals_the_uniform_step_over_windows(pose, kernel, stride):
+    torch.manual_seed(4)
+    B, H, I, J, D = 2, 6, 3, 4, 16
+    x = y = 4 if pose == "matrix" else D
+    grid = torch.randn(B, H, H, I, D, dtype=torch.float64)
+    weight = torch.randn(kernel * kernel * I, J, x, y, dtype=torch.float64)
+    windows = grid.unfold(1, kernel, stride).unfold(2, kernel, stride)  # (B, h, w, I, D, k, k)
+    side = windows.shape[1]
+    children = windows.permute(0, 1, 2, 5, 6, 3, 4).reshape(B, side * side, kernel * kernel * I, D)  # (kh, kw, I)
+    expected = routing.uniform_step(children, weight, layer_norm).view(B, side, side, J, D)
+    torch.testing.assert_close(routing.uniform_conv_step(grid, weight, kernel, stride, layer_norm), expected)

@@ -1,0 +1,200 @@
+"""Latency, throughput, peak memory and achieved GFLOP/s of whole models against their backbone alone.
+
+Usage:
+    python benchmarks/bench_model.py                      # cifar10-resnet, batch 64 and 1, T = 1, 2, 3
+    python benchmarks/bench_model.py --model cifar10-simple --model cifar100-resnet --batch 64 --repeats 5
+
+What is measured, all in one run so that the ratios compare like with like on a shared machine:
+    backbone   the CNN alone, ``model.backbone(x)``
+    capsules   everything after the backbone (primary capsules, routing, logits): the model is run with its
+               backbone replaced by a lookup of the backbone's precomputed output
+    whole      ``model(x, iterations=T)``
+Each is timed ``--repeats`` times, interleaved round by round (so a burst of load from other processes hits
+every configuration alike), under ``torch.inference_mode()``; the medians are reported, and the ratio
+whole/backbone is also given from the fastest rounds ("min"), the better estimate when other processes share
+the cores.
+
+Capsule GFLOP are counted analytically as the useful multiply-adds of the maths (×2): the primary conv,
+B·P·N·J·r·X·Y for every vote product or uniform pass (r pose rows of X values mapped to Y values, for each of
+N children × J parents at P positions), B·P·N·J·D each for the agreement and the weighted sum, and the logit
+head; LayerNorm, softmax and the zeros of block-diagonal weights are not counted. The machine's reference is a
+2048³ fp32 matmul timed in the same run.
+
+Peak memory is the RSS high-water mark (``VmHWM``, else ``ru_maxrss``) of a fresh subprocess that builds the
+model and runs two forward passes of one (batch, T) configuration; "base" is the same
+process's high-water mark just before the first forward pass (interpreter, torch, weights, input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch import nn
+
+
+def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e9
+
+
+def capsule_flops(model, batch: int, iterations: int) -> float:
+    """Useful floating-point operations after the backbone (see the module docstring)."""
+    c = model.config
+    side = c.spatial_sizes[0]
+    # primary capsules: a conv from the backbone's channels to I·D channels
+    flops = 2 * batch * side**2 * c.backbone_channels * c.primary_types * c.pose_dim * c.primary_kernel**2
+    steps = []  # per layer: (P, N, J, r, X, Y, D)
+    sizes = (*c.spatial_sizes, *[0] * len(model.capsules))
+    for i, layer in enumerate(model.capsules):
+        N, J, X, Y = layer.weight.shape
+        r = c.pose_dim // X
+        P = 1 if layer.kind == "fc" else sizes[i + 1] ** 2
+        steps.append((P, N, J, r, X, Y, r * Y))
+    L = len(steps)
+    for i, (P, N, J, r, X, Y, D) in enumerate(steps):
+        vote = 2 * batch * P * N * J * r * X * Y
+        if c.routing == "sequential":
+            routed = iterations - 1
+        else:  # concurrent: layer i's update at iteration t reaches the output only if t <= T - (L - 1 - i)
+            routed = sum(1 for t in range(2, iterations + 1) if t <= iterations - (L - 1 - i))
+        flops += vote + routed * (vote + 2 * (2 * batch * P * N * J * D))  # uniform pass, then votes + 2 reads
+    flops += 2 * batch * c.num_classes * c.pose_dim  # shared Linear(D, 1)
+    return flops
+
+
+class _Lookup(nn.Module):
+    """Stands in for the backbone: returns its precomputed output."""
+
+    def __init__(self, features: torch.Tensor):
+        super().__init__()
+        self.features = features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features
+
+
+def time_configurations(name: str, batch: int, iterations: list[int], repeats: int) -> dict:
+    import capserve
+
+    torch.manual_seed(0)
+    model = capserve.create_model(name).eval()
+    capsules = capserve.create_model(name).eval()
+    capsules.load_state_dict(model.state_dict())
+    size = model.config.image_size
+    x = torch.randn(batch, model.config.in_channels, size, size)
+    with torch.inference_mode():
+        capsules.backbone = _Lookup(model.backbone(x))
+        runs = {("backbone", 0): lambda: model.backbone(x)}
+        for T in iterations:
+            runs["capsules", T] = lambda T=T: capsules(x, iterations=T)
+            runs["whole", T] = lambda T=T: model(x, iterations=T)
+        for run in runs.values():  # warm-up
+            run()
+        times: dict = {key: [] for key in runs}
+        for _ in range(repeats):
+            for key, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[key].append(time.perf_counter() - start)
+    return {key: (statistics.median(t), min(t)) for key, t in times.items()}
+
+
+def peak_rss_mb(name: str, batch: int, iterations: int, threads: int) -> tuple[float, float]:
+    """(base, peak) RSS high-water marks in MB of a fresh process running one configuration."""
+    command = [sys.executable, __file__, "--child", name, str(batch), str(iterations), str(threads)]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    return data["base"], data["peak"]
+
+
+def _high_water_mb() -> float:
+    """This process's peak RSS. Linux keeps ``ru_maxrss`` across fork + exec (a child would report its parent's
+    peak), so read the address space's own ``VmHWM`` where there is one."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
+
+
+def _child(name: str, batch: int, iterations: int, threads: int) -> None:
+    import capserve
+
+    torch.set_num_threads(threads)
+    model = capserve.create_model(name).eval()
+    size = model.config.image_size
+    x = torch.randn(batch, model.config.in_channels, size, size)
+    base = _high_water_mb()
+    with torch.inference_mode():
+        for _ in range(2):
+            model(x, iterations=iterations)
+    peak = _high_water_mb()
+    print(json.dumps({"base": base, "peak": peak}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", action="append", help="model name (repeatable); default cifar10-resnet")
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 1])
+    parser.add_argument("--iterations", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=0, help="timed rounds (default: 7 for batch ≥ 8, else 30)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocesses")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        name, batch, iterations, threads = args.child
+        _child(name, int(batch), int(iterations), int(threads))
+        return
+
+    import capserve
+
+    torch.set_num_threads(args.threads)
+    models = args.model or ["cifar10-resnet"]
+    for name in models:
+        if name not in capserve.list_models():
+            parser.error(f"unknown model {name!r}; choose from {', '.join(capserve.list_models())}")
+    gflops_machine = matmul_gflops()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, capserve from {capserve.__file__}")
+    print(f"machine: 2048x2048 fp32 matmul {gflops_machine:.0f} GFLOP/s")
+    header = (
+        f"{'model':<18}{'B':>4}{'T':>3}{'backbone ms':>13}{'capsules ms':>13}{'whole ms':>10}"
+        f"{'whole/bb':>10}{'(min)':>7}{'img/s':>9}{'caps GFLOP':>12}{'caps GFLOP/s':>14}{'base MB':>9}{'peak MB':>9}"
+    )
+    for name in models:
+        print(header)
+        for batch in args.batch:
+            repeats = args.repeats or (7 if batch >= 8 else 30)
+            t = time_configurations(name, batch, args.iterations, repeats)
+            model = capserve.create_model(name)
+            for T in args.iterations:
+                base, peak = (float("nan"),) * 2 if args.no_memory else peak_rss_mb(name, batch, T, args.threads)
+                gflop = capsule_flops(model, batch, T) / 1e9
+                (whole, whole_min), (backbone, backbone_min) = t["whole", T], t["backbone", 0]
+                caps = t["capsules", T][0]
+                print(
+                    f"{name:<18}{batch:>4}{T:>3}{backbone * 1e3:>13.1f}{caps * 1e3:>13.1f}{whole * 1e3:>10.1f}"
+                    f"{whole / backbone:>10.2f}{whole_min / backbone_min:>7.2f}{batch / whole:>9.1f}"
+                    f"{gflop:>12.2f}{gflop / caps:>14.1f}{base:>9.0f}{peak:>9.0f}"
+                )
+        print(f"(GFLOP/s of the capsule part beside the machine's matmul: {gflops_machine:.0f} GFLOP/s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""TensorRT backend: a serialised engine from ``capserve export tensorrt`` and its JSON sidecar.
+
+An engine only runs on the TensorRT version and GPU model that built it. The sidecar (``model.plan.json``
+next to ``model.plan``) records both, with the engine's hash, the batch range of its optimisation profile and
+the model's metadata; the runtime refuses a mismatch before deserialising anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from capserve.runtime.base import Explanation, InputError, ModelMetadata, Runtime, RuntimeLoadError
+
+SIDECAR_FORMAT = 1
+LOGITS, PART_WHOLE = "logits", "part_whole"
+TENSORRT_MISSING = (
+    "TensorRT is not installed: it runs only on NVIDIA GPU machines. Install it there with "
+    "`pip install tensorrt` (NVIDIA's wheels), or use the onnxruntime backend on this machine"
+)
+
+
+def sidecar_path(engine: str | Path) -> Path:
+    """``model.plan`` → ``model.plan.json``."""
+    engine = Path(engine)
+    return engine.with_name(engine.name + ".json")
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def import_tensorrt() -> Any:
+    """``import tensorrt``, or a RuntimeLoadError that says how to get it."""
+    try:
+        import tensorrt
+    except ImportError as e:
+        raise RuntimeLoadError(TENSORRT_MISSING) from e
+    return tensorrt
+
+
+def gpu_name(device: str = "cuda") -> str:
+    """The GPU model name as CUDA reports it (what an engine is tied to)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeLoadError(
+            "TensorRT engines need an NVIDIA GPU visible to torch (torch.cuda.is_available() is False): "
+            "install the CUDA build of torch and check the driver with nvidia-smi"
+        )
+    return torch.cuda.get_device_name(torch.device(device))
+
+
+@dataclass(frozen=True)
+class EngineSidecar:
+    """What an engine was built from and for; JSON next to the engine."""
+
+    tensorrt_version: str
+    gpu_name: str
+    onnx_sha256: str
+    engine_sha256: str
+    min_batch: int
+    opt_batch: int
+    max_batch: int
+    input_name: str
+    outputs: tuple[str, ...]
+    precision: str
+    metadata: ModelMetadata
+    format_version: int = SIDECAR_FORMAT
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_batch <= self.opt_batch <= self.max_batch:
+            raise ValueError(f"batch sizes need 1 <= min <= opt <= max, got min {self.min_batch}, "
+                             f"opt {self.opt_batch}, max {self.max_batch}")  # fmt: skip
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["metadata"] = json.loads(self.metadata.to_json())
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def read(cls, path: str | Path) -> EngineSidecar:
+        """Parse a sidecar file, accepting only known keys."""
+        path = Path(path)
+        if not path.is_file():
+            raise RuntimeLoadError(f"{path} not found: an engine needs the JSON sidecar that `capserve export "
+                                   "tensorrt` writes next to it (TensorRT version, GPU, model metadata)")  # fmt: skip
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise TypeError("not a JSON object")
+            if data.get("format_version") != SIDECAR_FORMAT:
+                raise ValueError(f"format_version {data.get('format_version')!r} is not {SIDECAR_FORMAT}")
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(data) - known)
+            if unknown:
+                raise ValueError(f"unknown keys {unknown}")
+            data["metadata"] = ModelMetadata.from_json(json.dumps(data["metadata"]))
+            data["outputs"] = tuple(data["outputs"])
+            return cls(**data)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise RuntimeLoadError(f"{path} is not a valid engine sidecar ({e}); rebuild the engine with "
+                                   "`capserve export tensorrt`") from e  # fmt: skip
+
+    def check(self, engine: Path, engine_bytes: bytes, tensorrt_version: str, gpu: str) -> None:
+        """Refuse an engine that was built elsewhere or does not belong to this sidecar."""
+        rebuild = f"rebuild it here with `capserve export tensorrt MODEL.onnx -o {engine}`"
+        if sha256_bytes(engine_bytes) != self.engine_sha256:
+            raise RuntimeLoadError(f"{engine} does not match its sidecar's engine_sha256 (changed or truncated "
+                                   f"after the build); {rebuild}")  # fmt: skip
+        if tensorrt_version != self.tensorrt_version:
+            raise RuntimeLoadError(f"{engine} was built with TensorRT {self.tensorrt_version} but TensorRT "
+                                   f"{tensorrt_version} is installed; engines only load in the version that "
+                                   f"built them: {rebuild}")  # fmt: skip
+        if gpu != self.gpu_name:
+            raise RuntimeLoadError(f"{engine} was built for {self.gpu_name!r} but this GPU is {gpu!r}; engines "
+                                   f"are tuned to one GPU model: {rebuild}")  # fmt: skip
+
+    def check_batch_size(self, batch: int) -> None:
+        if not self.min_batch <= batch <= self.max_batch:
+            raise InputError(
+                f"batch of {batch} is outside the engine's optimisation profile [{self.min_batch}, "
+                f"{self.max_batch}]: split the batch, or rebuild with --min-batch/--max-batch"
+            )
+
+
+class TensorRTRuntime(Runtime):
+    """A TensorRT engine; input and output buffers are torch CUDA tensors.
+
+    Args:
+        path: engine file (.plan/.engine) with its ``.json`` sidecar beside it.
+        device: "cuda" or "cuda:N".
+    """
+
+    backend = "tensorrt"
+
+    def __init__(self, path: str | Path, device: str = "cuda"):
+        self.path = Path(path)
+        if not (device == "cuda" or device.startswith("cuda:")):
+            raise ValueError(f"TensorRT engines run on a GPU: use device='cuda' or 'cuda:N', got {device!r}")
+        self.sidecar = EngineSidecar.read(sidecar_path(self.path))
+        self.metadata = self.sidecar.metadata
+        trt = import_tensorrt()
+        import torch
+
+        self.device = torch.device(device)
+        data = self.path.read_bytes()
+        self.sidecar.check(self.path, data, trt.__version__, gpu_name(device))
+        torch.cuda.set_device(self.device)
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self.engine = self._runtime.deserialize_cuda_engine(data)
+        if self.engine is None:
+            raise RuntimeLoadError(f"TensorRT could not deserialise {self.path} (see its log above); rebuild it")
+        self.context = self.engine.create_execution_context()
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self._inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self._outputs = [n for n in names if n not in self._inputs]
+        if self._inputs != [self.sidecar.input_name] or LOGITS not in self._outputs:
+            raise RuntimeLoadError(f"{self.path} has inputs {self._inputs} and outputs {self._outputs}; its sidecar "
+                                   f"says {self.sidecar.input_name!r} → {list(self.sidecar.outputs)}")  # fmt: skip
+        self._dtypes = {n: _torch_dtype(trt, self.engine.get_tensor_dtype(n)) for n in names}
+        self._stream = torch.cuda.Stream(self.device)
+
+    @property
+    def providers(self) -> list[str]:
+        return [f"TensorRT:{self.device}"]
+
+    def check_batch(self, batch: np.ndarray) -> np.ndarray:
+        batch = super().check_batch(batch)
+        self.sidecar.check_batch_size(batch.shape[0])
+        return batch
+
+    def _run(self, batch: np.ndarray, outputs: list[str]) -> list[np.ndarray]:
+        import torch
+
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            x = torch.from_numpy(batch).to(self.device, self._dtypes[self.sidecar.input_name], non_blocking=True)
+            if not self.context.set_input_shape(self.sidecar.input_name, tuple(x.shape)):
+                raise InputError(f"TensorRT refused input shape {tuple(x.shape)}")
+            self.context.set_tensor_address(self.sidecar.input_name, x.data_ptr())
+            buffers = {}
+            for name in self._outputs:  # every output needs an address, wanted or not
+                shape = tuple(self.context.get_tensor_shape(name))
+                buffers[name] = torch.empty(shape, dtype=self._dtypes[name], device=self.device)
+                self.context.set_tensor_address(name, buffers[name].data_ptr())
+            if not self.context.execute_async_v3(self._stream.cuda_stream):
+                raise RuntimeError(f"TensorRT failed to run {self.path} (see its log above)")
+            results = [buffers[n].float().cpu() for n in outputs]  # .cpu() waits for the stream
+        return [r.numpy() for r in results]
+
+    def _predict(self, batch: np.ndarray) -> np.ndarray:
+        return self._run(batch, [LOGITS])[0]
+
+    def explain(self, batch: np.ndarray) -> Explanation:
+        if PART_WHOLE not in self._outputs:
+            raise NotImplementedError(f"{self.path} has no {PART_WHOLE!r} output: build it from an ONNX file "
+                                      "exported with `capserve export onnx --explain`")  # fmt: skip
+        logits, parse = self._run(self.check_batch(batch), [LOGITS, PART_WHOLE])
+        return Explanation(logits, parse)
+
+
+def _torch_dtype(trt: Any, dtype: Any) -> Any:
+    import torch
+
+    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int32: torch.int32, trt.int8: torch.int8}
+    if hasattr(trt, "bfloat16"):
+        table[trt.bfloat16] = torch.bfloat16
+    if dtype not in table:
+        raise RuntimeLoadError(f"unsupported engine tensor type {dtype}")
+    return table[dtype]

@@ -1,0 +1,161 @@
+"""``capserve verify ARTIFACT --against CHECKPOINT``: the same inputs through eager PyTorch and an artifact.
+
+Per batch size it prints the max abs and relative difference of the logits (relative: max |Δ| / max |eager|),
+the max abs difference of the probabilities (softmax, or sigmoid for multi-label models) and the top-1
+agreement. It exits 1 when a tolerance is exceeded: logits need max |Δ| <= atol + rtol · max |eager| and the
+top-1 agreement at least ``--min-agreement``. Defaults follow the artifact's precision (FP32 / FP16 graph).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from capserve.cli import UsageError
+from capserve.runtime import BACKENDS, Runtime, load_runtime
+from capserve.runtime.base import ModelMetadata
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+# precision → (atol, rtol, min top-1 agreement); FP16's matches capserve.export.fp16's documented tolerance
+DEFAULTS = {"fp32": (1e-4, 1e-4, 1.0), "fp16": (2e-2, 1e-1, 0.95)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("artifact", help=".onnx file, TensorRT engine (.plan) or model directory")
+    parser.add_argument("--against", required=True, help="the checkpoint (model directory) it was exported from")
+    parser.add_argument("--images", help="folder of images to use (default: seeded random images)")
+    parser.add_argument("--batch-sizes", default="1,7,64", help="comma-separated (default %(default)s)")
+    parser.add_argument("--backend", choices=list(BACKENDS), help="default: from the artifact's file name")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
+    parser.add_argument("--atol", type=float, help="logit tolerance (default 1e-4 FP32, 2e-2 FP16)")
+    parser.add_argument("--rtol", type=float, help="logit tolerance per unit of max |logit| (1e-4 FP32, 0.1 FP16)")
+    parser.add_argument("--min-agreement", type=float, help="least top-1 agreement (default 1.0 FP32, 0.95 FP16)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random images (default %(default)s)")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    batch: int
+    max_abs: float
+    max_rel: float
+    max_abs_prob: float
+    agreement: float
+    scale: float  # max |eager logit|
+
+    def within(self, atol: float, rtol: float, min_agreement: float) -> bool:
+        return self.max_abs <= atol + rtol * self.scale and self.agreement >= min_agreement
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError as e:
+        raise UsageError(f"--batch-sizes must be comma-separated integers like 1,7,64, got {text!r}") from e
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"--batch-sizes needs positive integers, got {text!r}")
+    return sizes
+
+
+def load_images(folder: str | Path, metadata: ModelMetadata, count: int) -> np.ndarray:
+    """``count`` normalised images (count, C, H, W) from a folder, resized to the model's input, cycled if few."""
+    from PIL import Image, UnidentifiedImageError
+
+    from capserve.preprocess import normalize_numpy
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"--images {folder} is not a folder")
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise UsageError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {folder}")
+    mode = "RGB" if metadata.in_channels == 3 else "L"
+    size = metadata.image_size
+    arrays = []
+    for path in files[:count]:
+        try:
+            with Image.open(path) as im:
+                im = im.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
+                a = np.asarray(im, dtype=np.uint8)
+        except (UnidentifiedImageError, OSError) as e:
+            raise UsageError(f"cannot read image {path}: {e}") from e
+        arrays.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))  # (C, H, W)
+    images = np.stack([arrays[i % len(arrays)] for i in range(count)])  # (count, C, H, W)
+    return normalize_numpy(images, metadata.mean, metadata.std)
+
+
+def random_images(metadata: ModelMetadata, count: int, seed: int) -> np.ndarray:
+    from capserve.preprocess import normalize_numpy
+
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, size=(count, *metadata.input_shape), dtype=np.uint8)
+    return normalize_numpy(images, metadata.mean, metadata.std)
+
+
+def probabilities(logits: np.ndarray, task: str) -> np.ndarray:
+    if task == "multi_label":
+        return 1.0 / (1.0 + np.exp(-logits))
+    z = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return z / z.sum(axis=1, keepdims=True)
+
+
+def compare(reference: Runtime, artifact: Runtime, images: np.ndarray, batch_sizes: list[int]) -> list[Comparison]:
+    """Run the first B images through both runtimes for each B."""
+    task = reference.metadata.task
+    rows = []
+    for B in batch_sizes:
+        x = images[:B]
+        ref, out = reference.predict(x), artifact.predict(x)
+        diff = np.abs(out.astype(np.float64) - ref)
+        scale = float(np.abs(ref).max())
+        rows.append(Comparison(
+            batch=B, max_abs=float(diff.max()), max_rel=float(diff.max() / max(scale, 1e-12)), scale=scale,
+            max_abs_prob=float(np.abs(probabilities(out, task) - probabilities(ref, task)).max()),
+            agreement=float((out.argmax(1) == ref.argmax(1)).mean()),
+        ))  # fmt: skip
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from capserve.runtime.torch_backend import TorchRuntime
+
+    sizes = parse_batch_sizes(args.batch_sizes)
+    if not Path(args.against).is_dir():
+        raise UsageError(f"--against {args.against} is not a model directory (model.safetensors + config.json)")
+    artifact = load_runtime(args.artifact, backend=args.backend, device=args.device)
+    meta = artifact.metadata
+    reference = TorchRuntime(args.against, device="cpu", iterations=meta.iterations)
+    ref_meta = reference.metadata
+    for field in ("name", "labels", "task", "in_channels", "image_size", "mean", "std"):
+        if getattr(meta, field) != getattr(ref_meta, field):
+            raise UsageError(f"{args.artifact} is a different model than {args.against}: {field} "
+                             f"{getattr(meta, field)!r} vs {getattr(ref_meta, field)!r}")  # fmt: skip
+    weights_note = ""
+    if meta.weights_sha256 != ref_meta.weights_sha256:  # another file; maybe the same weights saved again
+        a, b = meta.weights_sha256[:12], ref_meta.weights_sha256[:12]
+        weights_note = f"; note: weights_sha256 differs ({a}… vs {b}…): exported from another weights file"
+    precision = getattr(artifact, "precision", None) or getattr(getattr(artifact, "sidecar", None), "precision", "fp32")
+    atol, rtol, min_agreement = DEFAULTS.get(precision, DEFAULTS["fp32"])
+    atol = atol if args.atol is None else args.atol
+    rtol = rtol if args.rtol is None else args.rtol
+    min_agreement = min_agreement if args.min_agreement is None else args.min_agreement
+
+    count = max(sizes)
+    if args.images:
+        images, source = load_images(args.images, meta, count), f"images from {args.images}"
+    else:
+        images, source = random_images(meta, count, args.seed), f"random images (seed {args.seed})"
+    print(f"{args.artifact}: {meta.name}, T={meta.iterations}, {precision}, {artifact.backend} on "
+          f"{', '.join(artifact.providers)}; eager reference {args.against}; {source}{weights_note}")  # fmt: skip
+    print(f"tolerance: max |Δlogit| <= {atol:g} + {rtol:g}·max|logit|, top-1 agreement >= {min_agreement:g}")
+    print(f"{'batch':>5}  {'max|Δlogit|':>11}  {'rel':>9}  {'max|Δprob|':>10}  {'top-1 agree':>11}  result")
+    failed = False
+    for row in compare(reference, artifact, images, sizes):
+        ok = row.within(atol, rtol, min_agreement)
+        failed |= not ok
+        print(f"{row.batch:>5}  {row.max_abs:>11.3e}  {row.max_rel:>9.2e}  {row.max_abs_prob:>10.3e}  "
+              f"{row.agreement:>11.4f}  {'ok' if ok else 'FAIL'}")  # fmt: skip
+    print("FAILED: tolerances exceeded" if failed else "passed")
+    return 1 if failed else 0

@@ -1,0 +1,663 @@
+"""capserve over HTTP: single- and multi-label capsule predictions, with the part-whole parse routing produced.
+
+Run from the repository root: ``bentoml serve service:CapsuleService`` (or ``make serve``). Settings come from
+environment variables (see ``Settings`` and README "Serving over HTTP"); the defaults serve ``models/cifar10``
+and ``models/multimnist`` with ONNX Runtime on the CPU.
+
+Endpoints: ``POST /classify``, ``/classify_batch``, ``/multilabel``, ``/explain`` (one image as a multipart
+file, or a raw ``image/*`` body with the other parameters in the query string), ``GET /model``, and the batchable
+``POST /logits`` and ``/multilabel_logits`` (uint8 images as JSON tensors). Concurrent single-image requests are
+merged by BentoML's adaptive batching engine.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import os
+import signal
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from http import HTTPStatus
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import parse_qsl
+
+import anyio
+import bentoml
+import numpy as np
+from bentoml.exceptions import BentoMLException, InvalidArgument
+from bentoml.validators import ContentType
+from pydantic import BaseModel, Field
+
+from capserve import images
+from capserve.runtime import Explanation, InputError, Runtime, RuntimeLoadError, load_runtime
+
+log = logging.getLogger("capserve.service")
+
+ImageFile = Annotated[Path, ContentType("image/*")]
+BACKENDS = ("onnxruntime", "torch", "tensorrt")
+
+
+# ---------------------------------------------------------------------------------------------------- settings
+
+
+class ConfigurationError(ValueError):
+    """A setting or model directory the service cannot start with; the message says what to change."""
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int) -> int | None:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigurationError(f"{name}={text!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigurationError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Service settings, each from the environment variable ``CAPSERVE_<FIELD>``."""
+
+    model: str = "models/cifar10"  # single-label model directory (/classify, /classify_batch, /explain)
+    multilabel_model: str = "models/multimnist"  # multi-label model directory (/multilabel); "none": no endpoint
+    backend: str = "onnxruntime"  # onnxruntime | torch | tensorrt
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    iterations: int | None = None  # torch backend only: routing iterations (ONNX/TensorRT fix T at export)
+    max_batch_size: int = 32  # adaptive batching: largest merged batch; 1 turns batching off
+    max_latency_ms: int = 10_000  # adaptive batching: a request queued longer is dropped with a 503
+    max_bytes: int = 8 * 2**20  # request body limit (413 above it)
+    max_pixels: int = images.DEFAULT_MAX_PIXELS  # decoded image limit (413 above it: decompression bombs)
+    max_images: int = 64  # images in one /classify_batch request
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        d = cls()
+        backend = env.get("CAPSERVE_BACKEND", d.backend).strip() or d.backend
+        if backend not in BACKENDS:
+            raise ConfigurationError(f"CAPSERVE_BACKEND={backend!r}; choose one of: {', '.join(BACKENDS)}")
+        settings = cls(
+            model=env.get("CAPSERVE_MODEL", "").strip() or d.model,
+            multilabel_model=env.get("CAPSERVE_MULTILABEL_MODEL", "").strip() or d.multilabel_model,
+            backend=backend,
+            device=env.get("CAPSERVE_DEVICE", "").strip() or d.device,
+            iterations=_int(env, "CAPSERVE_ITERATIONS", None, 1),
+            max_batch_size=_int(env, "CAPSERVE_MAX_BATCH_SIZE", d.max_batch_size, 1),
+            max_latency_ms=_int(env, "CAPSERVE_MAX_LATENCY_MS", d.max_latency_ms, 1),
+            max_bytes=_int(env, "CAPSERVE_MAX_BYTES", d.max_bytes, 1024),
+            max_pixels=_int(env, "CAPSERVE_MAX_PIXELS", d.max_pixels, 64),
+            max_images=_int(env, "CAPSERVE_MAX_IMAGES", d.max_images, 1),
+        )
+        if settings.iterations is not None and backend != "torch":
+            raise ConfigurationError(f"CAPSERVE_ITERATIONS works with the torch backend only: {backend} artifacts "
+                                     "fix the routing iterations at export; re-export with `capserve export onnx DIR "
+                                     "-o DIR/model.onnx -T N` or unset CAPSERVE_ITERATIONS")  # fmt: skip
+        return settings
+
+
+ARTIFACTS = {"onnxruntime": "model.onnx", "tensorrt": "model.plan"}
+EXPLAIN_ARTIFACT = "model-explain.onnx"
+
+
+def open_model(directory: str, settings: Settings) -> tuple[Runtime, Runtime | None]:
+    """The runtime for predictions and the one for explanations (None when the directory has none)."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ConfigurationError(f"model directory {path} not found (working directory {Path.cwd()}); set "
+                                 "CAPSERVE_MODEL / CAPSERVE_MULTILABEL_MODEL to a directory made by "
+                                 "`capserve train` or model.save(dir)")  # fmt: skip
+    try:
+        if settings.backend == "torch":
+            runtime = load_runtime(path, "torch", settings.device, iterations=settings.iterations)
+            return runtime, runtime
+        artifact = path / ARTIFACTS[settings.backend]
+        if not artifact.is_file():
+            fix = (f"capserve export onnx {path} -o {artifact}" if settings.backend == "onnxruntime"
+                   else f"capserve export tensorrt {path / 'model.onnx'} -o {artifact}")  # fmt: skip
+            raise ConfigurationError(f"{path} has no {artifact.name}, which the {settings.backend} backend "
+                                     f"serves: run `{fix}` first, or set CAPSERVE_BACKEND=torch")  # fmt: skip
+        runtime = load_runtime(artifact, settings.backend, settings.device)
+        explainer = None
+        if (path / EXPLAIN_ARTIFACT).is_file():
+            explainer = load_runtime(path / EXPLAIN_ARTIFACT, "onnxruntime", settings.device)
+        else:
+            log.warning(
+                "%s has no %s: /explain is off (run `capserve export onnx %s -o %s --explain`)",
+                path,
+                EXPLAIN_ARTIFACT,
+                path,
+                path / EXPLAIN_ARTIFACT,
+            )
+        return runtime, explainer
+    except (RuntimeLoadError, ValueError) as e:
+        if isinstance(e, ConfigurationError):
+            raise
+        raise ConfigurationError(f"cannot load the model in {path} with the {settings.backend} backend: {e}") from e
+
+
+SETTINGS = Settings.from_env()  # read once at import: the batching limits go into the API decorators
+BATCH_LIMIT = max(SETTINGS.max_batch_size, 2)  # BentoML's batchable APIs want > 1
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+
+class PayloadTooLarge(InvalidArgument):
+    error_code = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+
+
+class UnsupportedMediaType(InvalidArgument):
+    error_code = HTTPStatus.UNSUPPORTED_MEDIA_TYPE
+
+
+class Unprocessable(InvalidArgument):
+    error_code = HTTPStatus.UNPROCESSABLE_ENTITY
+
+
+class Overloaded(BentoMLException):
+    error_code = HTTPStatus.SERVICE_UNAVAILABLE
+
+
+class NotAvailable(BentoMLException):
+    """An endpoint whose model or artifact this server was started without."""
+
+    error_code = HTTPStatus.NOT_IMPLEMENTED
+
+
+IMAGE_ERRORS: dict[type[images.ImageError], type[InvalidArgument]] = {
+    images.ImageTooLargeError: PayloadTooLarge,
+    images.ImageTooSmallError: Unprocessable,
+    images.UnsupportedImageError: Unprocessable,
+}
+
+
+def decode(path: Path, runtime: Runtime, max_pixels: int) -> np.ndarray:
+    """An uploaded file → uint8 (C, H, W) for ``runtime``'s model; bad images raise a 4xx BentoML error."""
+    try:
+        return images.load_image(path.read_bytes(), runtime.metadata, max_pixels)
+    except images.ImageError as e:
+        raise IMAGE_ERRORS.get(type(e), InvalidArgument)(f"{path.name}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------------- guard
+
+
+def _json_response(status: int, message: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    body = json.dumps({"error": message}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    start = {"type": "http.response.start", "status": status, "headers": headers}
+    return start, {"type": "http.response.body", "body": body}
+
+
+class RequestGuard:
+    """ASGI middleware in front of BentoML: a body size limit (413) and the image routes' body formats.
+
+    On the image routes, a raw ``image/*`` (or ``application/octet-stream``) body becomes the multipart form the
+    API declares, with the query string's parameters as its other fields. A multipart body is parsed once
+    here, so that malformed forms and file fields sent as text (which BentoML would fetch as URLs) get a 400,
+    and any other content type gets a 415, instead of reaching BentoML's parser.
+    """
+
+    def __init__(self, app: Any, max_bytes: int, file_fields: Mapping[str, str], get_routes: tuple[str, ...] = ()):
+        self.app, self.max_bytes, self.file_fields, self.get_routes = app, max_bytes, dict(file_fields), get_routes
+
+    @staticmethod
+    def _body_once(body: bytes, then: Any = None) -> Any:
+        """An ASGI receive() that gives ``body`` once, then defers to ``then`` (the real one: disconnects)."""
+        sent = False
+
+        async def receive() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            if then is None:
+                return {"type": "http.disconnect"}
+            return await then()
+
+        return receive
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["method"] == "GET" and scope["path"].rstrip("/") in self.get_routes:
+            # BentoML APIs answer POST only; a GET on a parameterless API is the same call with an empty JSON body
+            headers = self._replace_headers(scope["headers"], "application/json", 2)
+            scope, receive = {**scope, "method": "POST", "headers": headers}, self._body_once(b"{}", receive)
+            return await self.app(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            declared = int(headers.get("content-length", "0"))
+        except ValueError:
+            return await self._reply(send, 400, "Content-Length is not an integer")
+        if declared > self.max_bytes:
+            return await self._reply(send, 413, self._too_large(declared))
+        field = self.file_fields.get(scope["path"].rstrip("/"))
+        if field is None and "content-length" in headers:
+            return await self.app(scope, receive, send)  # within the limit: nothing to check or rewrite
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._reply(send, 413, self._too_large(size))
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if field is not None:
+            media = headers.get("content-type", "").split(";")[0].strip().lower()
+            if media.startswith("image/") or media == "application/octet-stream":
+                if not body:
+                    return await self._reply(send, 400, "the request body is empty; send an image")
+                part_type = media if media.startswith("image/") else "image/unknown"  # the API declares image/*
+                try:
+                    body, content_type = self._to_multipart(body, field, part_type, scope.get("query_string", b""))
+                except ValueError as e:
+                    return await self._reply(send, 400, str(e))
+                scope = {**scope, "headers": self._replace_headers(scope["headers"], content_type, len(body))}
+            elif media == "multipart/form-data":
+                error = await self._check_form(scope, body, field)
+                if error:
+                    return await self._reply(send, 400, error)
+            elif not body:
+                return await self._reply(send, 400, f"the request body is empty; send an image as the multipart "
+                                                    f"file field {field!r} or as a raw image/* body")  # fmt: skip
+            else:
+                return await self._reply(send, 415, f"Content-Type {media or '(none)'!r} is not accepted here; send "
+                                                    f"multipart/form-data with the file field {field!r}, or a raw "
+                                                    "image/* body")  # fmt: skip
+        return await self.app(scope, self._body_once(body, receive), send)
+
+    def _too_large(self, size: int) -> str:
+        return f"the request body is {size:,} bytes; the limit is {self.max_bytes:,} (CAPSERVE_MAX_BYTES)"
+
+    @staticmethod
+    async def _reply(send: Any, status: int, message: str) -> None:
+        start, body = _json_response(status, message)
+        await send(start)
+        await send(body)
+
+    @staticmethod
+    def _to_multipart(data: bytes, field: str, part_type: str, query_string: bytes) -> tuple[bytes, str]:
+        boundary = "capserve" + os.urandom(12).hex()
+        parts = []
+        for name, value in parse_qsl(query_string.decode("latin-1")):
+            if not name.isidentifier() or "\r" in value or "\n" in value:
+                raise ValueError(f"query parameter {name!r} is not a valid API parameter")
+            if name != field:
+                parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n')
+        head = "".join(parts) + (f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; '
+                                 f'filename="upload"\r\nContent-Type: {part_type}\r\n\r\n')  # fmt: skip
+        body = head.encode("latin-1") + data + f"\r\n--{boundary}--\r\n".encode()
+        return body, f"multipart/form-data; boundary={boundary}"
+
+    @staticmethod
+    def _replace_headers(raw: list, content_type: str, length: int) -> list:
+        kept = [(k, v) for k, v in raw if k.lower() not in (b"content-type", b"content-length")]
+        return [*kept, (b"content-type", content_type.encode()), (b"content-length", str(length).encode())]
+
+    @staticmethod
+    async def _check_form(scope: dict, body: bytes, field: str) -> str | None:
+        from starlette.datastructures import UploadFile
+        from starlette.requests import Request
+
+        request = Request({k: v for k, v in scope.items() if k != "app"}, RequestGuard._body_once(body))
+        try:
+            form = await request.form()
+        except Exception as e:  # starlette raises MultiPartException, or HTTPException when it knows the app
+            return f"malformed multipart body: {getattr(e, 'detail', None) or getattr(e, 'message', None) or e}"
+        try:
+            values = form.getlist(field)
+            if not values:
+                return (f"the multipart body has no file field {field!r} (it has: "
+                        f"{', '.join(sorted(set(form.keys()))) or 'nothing'})")  # fmt: skip
+            if not all(isinstance(v, UploadFile) for v in values):
+                return f"the field {field!r} must be a file upload, not text"
+        finally:
+            await form.close()
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- results
+
+
+class Label(BaseModel):
+    label: str
+    index: int
+    probability: float
+
+
+class Classification(BaseModel):
+    model: str
+    iterations: int
+    predictions: list[Label] = Field(description="the top_k labels, most probable first")
+
+
+class MultiLabel(BaseModel):
+    model: str
+    iterations: int
+    threshold: float | None = Field(description="the threshold the request set; None: the model's own thresholds")
+    labels: list[Label] = Field(description="every label whose probability passed its threshold, most probable first")
+    probabilities: dict[str, float]
+    thresholds: dict[str, float]
+
+
+class Capsule(BaseModel):
+    type: int = Field(description="capsule type (channel) in the last grid capsule layer")
+    row: int
+    col: int
+    strength: float = Field(description="routing probability from this capsule to the class, in [0, 1]")
+
+
+class Explained(BaseModel):
+    model: str
+    iterations: int
+    prediction: Label
+    grid: list[list[float]] = Field(description="mean routing strength to the class over capsule types, per grid cell")
+    capsules: list[Capsule] = Field(description="the most strongly routed capsules, strongest first")
+    heatmap_png: str = Field(description="base64 PNG: the grid's strength over the input, blue (low) to red (high)")
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(axis=-1, keepdims=True)  # (B, C)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-logits))
+
+
+def top_labels(probabilities: np.ndarray, labels: tuple[str, ...], k: int) -> list[Label]:
+    order = np.argsort(-probabilities, kind="stable")[:k]
+    return [Label(label=labels[i], index=int(i), probability=float(probabilities[i])) for i in order]
+
+
+# A perceptual blue → cyan → yellow → red ramp for the heat-map (no plotting library in the server).
+RAMP = np.array([[49, 54, 149], [69, 117, 180], [116, 173, 209], [171, 217, 233], [254, 224, 144],
+                 [253, 174, 97], [244, 109, 67], [215, 48, 39]], dtype=np.float32)  # fmt: skip
+
+
+def heatmap_png(image: np.ndarray, grid: np.ndarray, scale: int = 8, alpha: float = 0.55) -> bytes:
+    """A PNG of ``grid`` (h, w), min-max scaled and bilinearly upsampled, blended over ``image`` uint8 (C, H, W)."""
+    from PIL import Image
+
+    C, H, W = image.shape
+    g = grid - grid.min()
+    g = g / g.max() if g.max() > 0 else g  # (h, w) in [0, 1]
+    size = (W * scale, H * scale)
+    g = np.asarray(Image.fromarray(g.astype(np.float32), "F").resize(size, Image.Resampling.BILINEAR))  # (H', W')
+    position = np.clip(g, 0, 1) * (len(RAMP) - 1)
+    lo = np.floor(position).astype(int).clip(0, len(RAMP) - 2)
+    colors = RAMP[lo] + (position - lo)[..., None] * (RAMP[lo + 1] - RAMP[lo])  # (H', W', 3)
+    base = np.asarray(Image.fromarray(image[0] if C == 1 else image.transpose(1, 2, 0)).convert("RGB"))
+    base = np.asarray(Image.fromarray(base).resize(size, Image.Resampling.NEAREST), dtype=np.float32)
+    blended = ((1 - alpha) * base + alpha * colors).round().clip(0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(blended, "RGB").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------------- service
+
+BATCH_SIZE = bentoml.metrics.Histogram(
+    name="capserve_batch_size",
+    documentation="images per adaptive batch run for single-image requests",
+    labelnames=["endpoint"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+)
+
+
+@bentoml.service(
+    name="capserve",
+    traffic={"timeout": 60},
+    workers=1,
+    metrics={"enabled": True},
+    labels={"project": "capserve"},
+)
+class CapsuleService:
+    """Capsule network predictions; one runtime per model, loaded once and warmed up before /readyz says ready."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        try:
+            self._load()
+        except ConfigurationError as e:
+            log.critical("capserve cannot start: %s", e)
+            # BentoML respawns a worker that fails to start, forever: stop the server instead (its parent process)
+            if os.environ.get("CAPSERVE_EXIT_ON_FAILURE", "1") != "0" and os.getppid() > 1:
+                os.kill(os.getppid(), signal.SIGTERM)
+            raise
+
+    def _load(self) -> None:
+        self.runtime, self.explainer = open_model(SETTINGS.model, SETTINGS)
+        self.multilabel_runtime: Runtime | None = None
+        if SETTINGS.multilabel_model.lower() != "none":
+            self.multilabel_runtime, _ = open_model(SETTINGS.multilabel_model, SETTINGS)
+            if self.multilabel_runtime.metadata.task != "multi_label":
+                raise ConfigurationError(f"CAPSERVE_MULTILABEL_MODEL={SETTINGS.multilabel_model} is a "
+                                         f"{self.multilabel_runtime.metadata.task} model; give a multi_label one "
+                                         "or 'none'")  # fmt: skip
+        self.batching = SETTINGS.max_batch_size > 1
+        self._batchers: dict[bool, Any] = {}  # multilabel → batched predict
+        try:
+            self._warm_up()
+        except (InputError, InvalidArgument, RuntimeError) as e:
+            raise ConfigurationError(f"warm-up inference failed: {e}") from e
+
+    def _warm_up(self) -> None:
+        """One inference per loaded runtime (and explanation graph): readiness means a real answer came back."""
+        for runtime in (self.runtime, self.multilabel_runtime, self.explainer):
+            if runtime is None:
+                continue
+            x = np.zeros((1, *runtime.metadata.input_shape), np.uint8)
+            logits = self._predict(runtime, x)
+            if logits.shape != (1, len(runtime.metadata.labels)) or not np.isfinite(logits).all():
+                raise ConfigurationError(f"warm-up inference of {runtime.metadata.name} gave {logits.shape} logits "
+                                         "with non-finite values or the wrong shape")  # fmt: skip
+        if self.explainer is not None:
+            self.explainer.explain(images.normalize_images(np.zeros((1, *self.explainer.metadata.input_shape),
+                                                                    np.uint8), self.explainer.metadata))  # fmt: skip
+        self.ready = True
+        log.info("capserve ready: %s (%s on %s, providers %s), batching %s", self.runtime.metadata.name,
+                 SETTINGS.backend, SETTINGS.device, self.runtime.providers,
+                 f"up to {SETTINGS.max_batch_size}" if self.batching else "off")  # fmt: skip
+
+    def __is_ready__(self) -> bool:
+        return self.ready
+
+    @staticmethod
+    def _predict(runtime: Runtime, pixels: np.ndarray) -> np.ndarray:
+        """uint8 (B, C, H, W) → float32 logits (B, classes); shape errors become 400s."""
+        if pixels.dtype != np.uint8:  # JSON tensors arrive as int64
+            if pixels.dtype.kind not in "iu" or pixels.size == 0 or pixels.min() < 0 or pixels.max() > 255:
+                raise InvalidArgument(f"images must be integer pixels in [0, 255], got {pixels.dtype} values")
+            pixels = pixels.astype(np.uint8)
+        try:
+            return runtime.predict(images.normalize_images(pixels, runtime.metadata))
+        except InputError as e:
+            raise InvalidArgument(str(e)) from e
+
+    async def _logits(self, pixels: np.ndarray, multilabel: bool = False) -> np.ndarray:
+        """Logits (1, classes) for one image (1, C, H, W): through adaptive batching when it is on."""
+        runtime = self._multilabel() if multilabel else self.runtime
+        if not self.batching:
+            return await anyio.to_thread.run_sync(self._predict, runtime, pixels)
+        if multilabel not in self._batchers:  # created on first use: the engine binds to the running event loop
+            self._batchers[multilabel] = self._batcher(runtime, multilabel)
+        return await self._batchers[multilabel](pixels)
+
+    def _batcher(self, runtime: Runtime, multilabel: bool) -> Any:
+        """BentoML's adaptive batching engine (the CorkDispatcher behind batchable APIs) around ``runtime``.
+
+        Called in-process: BentoML's own in-process client to a batchable API (``self.to_async``) loses
+        responses under concurrency (aiohttp "Server disconnected"), so the endpoints use the engine directly.
+        """
+        from bentoml._internal.marshal.dispatcher import CorkDispatcher
+
+        def overloaded() -> Any:
+            raise Overloaded(f"the batching queue held this request over {SETTINGS.max_latency_ms} ms "
+                             "(CAPSERVE_MAX_LATENCY_MS); retry later")  # fmt: skip
+
+        dispatcher = CorkDispatcher(max_latency_in_ms=SETTINGS.max_latency_ms, max_batch_size=SETTINGS.max_batch_size,
+                                    fallback=overloaded, get_batch_size=len, batch_dim=(0, 0))  # fmt: skip
+        endpoint = "multilabel" if multilabel else "classify"
+
+        async def infer(batches: list[np.ndarray]) -> list[np.ndarray]:
+            BATCH_SIZE.labels(endpoint=endpoint).observe(len(batches))
+            logits = await anyio.to_thread.run_sync(self._predict, runtime, np.concatenate(batches))  # (B, classes)
+            return list(np.split(logits, np.cumsum([len(b) for b in batches])[:-1]))
+
+        return dispatcher(infer)
+
+    def _multilabel(self) -> Runtime:
+        if self.multilabel_runtime is None:
+            raise NotAvailable("no multi-label model is served: start the server with CAPSERVE_MULTILABEL_MODEL "
+                               "set to a multi_label model directory")  # fmt: skip
+        return self.multilabel_runtime
+
+    @bentoml.api(batchable=True, max_batch_size=BATCH_LIMIT, max_latency_ms=SETTINGS.max_latency_ms)
+    async def logits(self, images: np.ndarray) -> np.ndarray:
+        """Logits (B, classes) of the single-label model for uint8 pixels (B, C, H, W) in its input size."""
+        return await anyio.to_thread.run_sync(self._predict, self.runtime, images)
+
+    @bentoml.api(batchable=True, max_batch_size=BATCH_LIMIT, max_latency_ms=SETTINGS.max_latency_ms)
+    async def multilabel_logits(self, images: np.ndarray) -> np.ndarray:
+        """Logits (B, classes) of the multi-label model for uint8 pixels (B, C, H, W) in its input size."""
+        return await anyio.to_thread.run_sync(self._predict, self._multilabel(), images)
+
+    @bentoml.api
+    async def classify(self, image: ImageFile, top_k: Annotated[int, Field(ge=1, le=1000)] = 5) -> Classification:
+        """The top_k labels of one image, with probabilities (softmax over the class capsules' logits)."""
+        meta = self.runtime.metadata
+        if top_k > len(meta.labels):
+            raise Unprocessable(f"top_k={top_k} but the model has {len(meta.labels)} labels")
+        pixels = await anyio.to_thread.run_sync(decode, image, self.runtime, SETTINGS.max_pixels)
+        probabilities = softmax(await self._logits(pixels[None]))[0]  # (C,)
+        return Classification(model=meta.name, iterations=meta.iterations,
+                              predictions=top_labels(probabilities, meta.labels, top_k))  # fmt: skip
+
+    @bentoml.api
+    async def classify_batch(
+        self, images: list[ImageFile], top_k: Annotated[int, Field(ge=1, le=1000)] = 5
+    ) -> list[Classification]:
+        """One result per image, in order (the images run as one batch)."""
+        meta = self.runtime.metadata
+        if not images:
+            raise InvalidArgument("send at least one image in the multipart field 'images'")
+        if len(images) > SETTINGS.max_images:
+            raise PayloadTooLarge(f"{len(images)} images in one request; the limit is {SETTINGS.max_images} "
+                                  "(CAPSERVE_MAX_IMAGES)")  # fmt: skip
+        if top_k > len(meta.labels):
+            raise Unprocessable(f"top_k={top_k} but the model has {len(meta.labels)} labels")
+
+        def run() -> np.ndarray:
+            pixels = np.stack([decode(path, self.runtime, SETTINGS.max_pixels) for path in images])  # (B, C, H, W)
+            step = SETTINGS.max_batch_size
+            return np.concatenate(
+                [self._predict(self.runtime, pixels[i : i + step]) for i in range(0, len(pixels), step)]
+            )
+
+        probabilities = softmax(await anyio.to_thread.run_sync(run))  # (B, C)
+        return [Classification(model=meta.name, iterations=meta.iterations,
+                               predictions=top_labels(p, meta.labels, top_k)) for p in probabilities]  # fmt: skip
+
+    @bentoml.api
+    async def multilabel(
+        self, image: ImageFile, threshold: Annotated[float | None, Field(gt=0, lt=1)] = None
+    ) -> MultiLabel:
+        """Every label whose probability (sigmoid of its logit) passes its threshold: the model's calibrated
+        per-class thresholds (0.5 where it has none), or ``threshold`` for all classes when given."""
+        runtime = self._multilabel()
+        meta = runtime.metadata
+        pixels = await anyio.to_thread.run_sync(decode, image, runtime, SETTINGS.max_pixels)
+        probabilities = sigmoid(await self._logits(pixels[None], multilabel=True))[0]  # (C,)
+        if threshold is not None:
+            thresholds = np.full(len(meta.labels), threshold)
+        else:
+            thresholds = np.array(meta.thresholds if meta.thresholds is not None else [0.5] * len(meta.labels))
+        passed = [label for label in top_labels(probabilities, meta.labels, len(meta.labels))
+                  if probabilities[label.index] >= thresholds[label.index]]  # fmt: skip
+        return MultiLabel(
+            model=meta.name, iterations=meta.iterations, threshold=threshold, labels=passed,
+            probabilities={name: float(p) for name, p in zip(meta.labels, probabilities, strict=True)},
+            thresholds={name: float(t) for name, t in zip(meta.labels, thresholds, strict=True)},
+        )  # fmt: skip
+
+    @bentoml.api
+    async def explain(self, image: ImageFile, capsules: Annotated[int, Field(ge=1, le=1000)] = 10) -> Explained:
+        """The prediction and its part-whole parse: how strongly each capsule of the last grid layer (type, row,
+        column) routed to the predicted class capsule, as the top ``capsules`` entries, a grid of mean strength
+        per cell, and that grid as a PNG heat-map over the input."""
+        if self.explainer is None:
+            raise NotAvailable(f"{SETTINGS.model} has no {EXPLAIN_ARTIFACT}: run `capserve export onnx "
+                               f"{SETTINGS.model} -o {Path(SETTINGS.model) / EXPLAIN_ARTIFACT} --explain` or "
+                               "serve with CAPSERVE_BACKEND=torch")  # fmt: skip
+        meta = self.explainer.metadata
+        pixels = await anyio.to_thread.run_sync(decode, image, self.explainer, SETTINGS.max_pixels)
+
+        def run() -> Explanation:
+            return self.explainer.explain(images.normalize_images(pixels[None], meta))  # type: ignore[union-attr]
+
+        explanation = await anyio.to_thread.run_sync(run)
+        probabilities = softmax(explanation.logits)[0]  # (C,)
+        c = int(probabilities.argmax())
+        strengths = explanation.part_whole[0, c]  # (H, W, I)
+        _, W, I = strengths.shape
+        order = np.argsort(-strengths.reshape(-1), kind="stable")[: min(capsules, strengths.size)]
+        top = [Capsule(type=int(k % I), row=int(k // (W * I)), col=int(k // I % W), strength=float(strengths.flat[k]))
+               for k in order]  # fmt: skip
+        grid = strengths.mean(axis=-1)  # (H, W)
+        png = await anyio.to_thread.run_sync(heatmap_png, pixels, grid)
+        return Explained(
+            model=meta.name, iterations=meta.iterations, prediction=top_labels(probabilities, meta.labels, 1)[0],
+            grid=grid.tolist(), capsules=top, heatmap_png=base64.b64encode(png).decode(),
+        )  # fmt: skip
+
+    @bentoml.api(route="/model")
+    def model(self) -> dict[str, Any]:
+        """Metadata of the served models: name, task, labels, input size, backend and providers in use, versions."""
+
+        def describe(runtime: Runtime | None) -> dict[str, Any] | None:
+            if runtime is None:
+                return None
+            return {**asdict(runtime.metadata), "input_shape": list(runtime.metadata.input_shape),
+                    "backend": runtime.backend, "providers": list(runtime.providers)}  # fmt: skip
+
+        return {
+            "single_label": describe(self.runtime),
+            "multi_label": describe(self.multilabel_runtime),
+            "explain": describe(self.explainer),
+            "batching": {
+                "enabled": self.batching,
+                "max_batch_size": SETTINGS.max_batch_size,
+                "max_latency_ms": SETTINGS.max_latency_ms,
+            },
+            "limits": {
+                "max_bytes": SETTINGS.max_bytes,
+                "max_pixels": SETTINGS.max_pixels,
+                "max_images": SETTINGS.max_images,
+            },
+            "versions": {"capserve": self.runtime.metadata.capserve_version, "bentoml": bentoml.__version__},
+        }
+
+
+CapsuleService.add_asgi_middleware(
+    RequestGuard,
+    max_bytes=SETTINGS.max_bytes,
+    file_fields={"/classify": "image", "/classify_batch": "images", "/multilabel": "image", "/explain": "image"},
+    get_routes=("/model",),
+)

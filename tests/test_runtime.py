@@ -1,0 +1,369 @@
+"""Runtime backends: ONNX Runtime errors and options, TensorRT sidecar checks and engine build/run.
+
+TensorRT and GPUs are absent from CI: the real-engine test skips with the reason, and everything else runs
+without them (sidecar checks, argument validation, the "not installed" errors, and the builder's and
+runtime's calls against a stand-in ``tensorrt`` module that records them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_input, tiny_model
+
+from capserve.runtime import InputError, ModelMetadata, RuntimeLoadError, load_runtime
+from capserve.runtime.onnx_backend import OnnxRuntime, providers_for
+from capserve.runtime.tensorrt_backend import TENSORRT_MISSING, EngineSidecar, TensorRTRuntime, sidecar_path
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from capserve.export.onnx import ExportError, export_onnx  # noqa: E402
+from capserve.export.tensorrt import build_engine, read_onnx  # noqa: E402
+
+HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
+NAME = "cifar10-simple"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(NAME)
+
+
+@pytest.fixture(scope="module")
+def onnx_file(model, tmp_path_factory):
+    return export_onnx(model, tmp_path_factory.mktemp("rt") / "model.onnx", 2)
+
+
+@pytest.fixture(scope="module")
+def runtime(onnx_file):
+    return OnnxRuntime(onnx_file)
+
+
+def test_predict_and_interface(runtime, model):
+    x = tiny_input(model, 4)
+    with torch.no_grad():
+        expected = model(x, iterations=2).numpy()
+    assert np.abs(runtime.predict(x.numpy()) - expected).max() <= 1e-4
+    assert runtime.backend == "onnxruntime" and runtime.providers == ["CPUExecutionProvider"]
+    assert runtime.metadata.name == NAME and runtime.metadata.iterations == 2
+    options = runtime.session.get_session_options()
+    for key in ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning"):
+        assert options.get_session_config_entry(key) == "0"
+
+
+def test_graph_optimization_levels_agree(onnx_file, runtime, model):
+    x = tiny_input(model, 3).numpy()
+    reference = runtime.predict(x)
+    for level in ("disable", "basic", "extended"):
+        np.testing.assert_allclose(OnnxRuntime(onnx_file, graph_optimization=level).predict(x), reference, atol=1e-5)
+    with pytest.raises(ValueError, match="graph_optimization"):
+        OnnxRuntime(onnx_file, graph_optimization="max")
+
+
+def test_providers(onnx_file):
+    assert providers_for("cpu") == ["CPUExecutionProvider"]
+    assert providers_for("cuda:1") == [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]
+    with pytest.raises(ValueError, match="device"):
+        providers_for("tpu")
+    with pytest.raises(ValueError, match="device"):
+        providers_for("cuda:x")
+    assert OnnxRuntime(onnx_file, providers=["CPUExecutionProvider"]).providers == ["CPUExecutionProvider"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback error on a machine without a GPU")
+def test_requested_gpu_provider_not_in_use_is_an_error(onnx_file):
+    with pytest.raises(RuntimeLoadError, match="CUDAExecutionProvider was requested but the session runs on"):
+        OnnxRuntime(onnx_file, device="cuda")
+    with pytest.raises(RuntimeLoadError, match="TensorrtExecutionProvider was requested"):
+        OnnxRuntime(onnx_file, providers=["TensorrtExecutionProvider", "CPUExecutionProvider"])
+
+
+def test_bad_inputs_give_clear_errors(runtime):
+    good = np.zeros((2, 3, 32, 32), np.float32)
+    assert runtime.predict(good).shape == (2, 10)
+    with pytest.raises(InputError, match=r"shape \(B, 3, 32, 32\)"):
+        runtime.predict(np.zeros((2, 3, 28, 28), np.float32))
+    with pytest.raises(InputError, match="shape"):
+        runtime.predict(np.zeros((3, 32, 32), np.float32))
+    with pytest.raises(InputError, match="B >= 1"):
+        runtime.predict(np.zeros((0, 3, 32, 32), np.float32))
+    with pytest.raises(InputError, match="float32"):
+        runtime.predict(good.astype(np.float64))
+    with pytest.raises(InputError, match="float32"):
+        runtime.predict(good.astype(np.uint8))
+    with pytest.raises(InputError, match="numpy array"):
+        runtime.predict(good.tolist())
+
+
+def test_corrupt_truncated_and_foreign_files(onnx_file, tmp_path):
+    data = onnx_file.read_bytes()
+    (tmp_path / "truncated.onnx").write_bytes(data[: len(data) // 2])
+    (tmp_path / "garbage.onnx").write_bytes(b"\x08\x07 this is not a protobuf" * 50)
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    for name in ("truncated", "garbage", "empty"):
+        with pytest.raises(RuntimeLoadError, match="not a loadable ONNX model"):
+            load_runtime(tmp_path / f"{name}.onnx")
+    proto = onnx.load(str(onnx_file))
+    del proto.metadata_props[:]
+    onnx.save(proto, str(tmp_path / "bare.onnx"))
+    with pytest.raises(RuntimeLoadError, match="capserve export onnx"):
+        load_runtime(tmp_path / "bare.onnx")
+    with pytest.raises(RuntimeLoadError, match="does not exist"):
+        load_runtime(tmp_path / "missing.onnx")
+
+
+# --- TensorRT without TensorRT --------------------------------------------------------------------------------
+
+
+def sidecar_for(engine: bytes, **changes) -> EngineSidecar:
+    meta = ModelMetadata.from_config(tiny_model(NAME).config, 2)
+    fields = dict(tensorrt_version="10.13.0", gpu_name="NVIDIA H200", onnx_sha256="ab" * 32,
+                  engine_sha256=__import__("hashlib").sha256(engine).hexdigest(), min_batch=1, opt_batch=8,
+                  max_batch=32, input_name="images", outputs=("logits",), precision="fp32", metadata=meta)  # fmt: skip
+    return EngineSidecar(**{**fields, **changes})
+
+
+def test_sidecar_round_trip_and_checks(tmp_path):
+    engine = tmp_path / "model.plan"
+    engine.write_bytes(b"engine bytes")
+    sidecar = sidecar_for(b"engine bytes")
+    assert sidecar_path(engine).name == "model.plan.json"
+    sidecar_path(engine).write_text(sidecar.to_json())
+    assert EngineSidecar.read(sidecar_path(engine)) == sidecar
+    sidecar.check(engine, b"engine bytes", "10.13.0", "NVIDIA H200")
+    with pytest.raises(RuntimeLoadError, match=r"built with TensorRT 10\.13\.0 but TensorRT 11\.0\.0 is installed"):
+        sidecar.check(engine, b"engine bytes", "11.0.0", "NVIDIA H200")
+    with pytest.raises(RuntimeLoadError, match="built for 'NVIDIA H200' but this GPU is 'NVIDIA L4'"):
+        sidecar.check(engine, b"engine bytes", "10.13.0", "NVIDIA L4")
+    with pytest.raises(RuntimeLoadError, match="engine_sha256"):
+        sidecar.check(engine, b"engine byte", "10.13.0", "NVIDIA H200")
+    sidecar.check_batch_size(1)
+    sidecar.check_batch_size(32)
+    with pytest.raises(InputError, match=r"batch of 33 is outside the engine's optimisation profile \[1, 32\]"):
+        sidecar.check_batch_size(33)
+    with pytest.raises(ValueError, match="min <= opt <= max"):
+        sidecar_for(b"", min_batch=8, opt_batch=4)
+
+
+def test_sidecar_errors(tmp_path):
+    engine = tmp_path / "model.plan"
+    engine.write_bytes(b"x")
+    with pytest.raises(RuntimeLoadError, match="sidecar"):
+        TensorRTRuntime(engine)
+    for text in ("{not json", "[]", json.dumps({"format_version": 99}), json.dumps({"format_version": 1, "x": 1})):
+        sidecar_path(engine).write_text(text)
+        with pytest.raises(RuntimeLoadError, match="not a valid engine sidecar"):
+            load_runtime(engine, device="cuda")
+    with pytest.raises(ValueError, match="GPU"):
+        TensorRTRuntime(engine, device="cpu")
+
+
+@pytest.mark.skipif(HAS_TENSORRT, reason="checks the error shown where TensorRT is not installed")
+def test_tensorrt_not_installed(tmp_path, onnx_file):
+    engine = tmp_path / "model.plan"
+    engine.write_bytes(b"engine bytes")
+    sidecar_path(engine).write_text(sidecar_for(b"engine bytes").to_json())
+    with pytest.raises(RuntimeLoadError, match="TensorRT is not installed"):
+        load_runtime(engine, device="cuda")
+    with pytest.raises(ExportError, match="TensorRT is not installed"):
+        build_engine(onnx_file, tmp_path / "m.plan")
+
+
+def test_build_engine_validates_before_tensorrt(tmp_path, onnx_file):
+    with pytest.raises(ExportError, match="--min-batch <= --opt-batch"):
+        build_engine(onnx_file, tmp_path / "m.plan", 4, 2, 8)
+    with pytest.raises(ExportError, match="not found"):
+        build_engine(tmp_path / "missing.onnx", tmp_path / "m.plan")
+    (tmp_path / "bad.onnx").write_bytes(onnx_file.read_bytes()[:1000])
+    with pytest.raises(ExportError, match="not a valid ONNX model"):
+        build_engine(tmp_path / "bad.onnx", tmp_path / "m.plan")
+    proto = onnx.load(str(onnx_file))
+    del proto.metadata_props[:]
+    onnx.save(proto, str(tmp_path / "bare.onnx"))
+    with pytest.raises(ExportError, match="capserve export onnx"):
+        build_engine(tmp_path / "bare.onnx", tmp_path / "m.plan")
+    source = read_onnx(onnx_file, fp16=True)
+    assert source.precision == "fp16" and source.input_shape == (3, 32, 32) and source.outputs == ("logits",)
+
+
+# --- the builder's and runtime's TensorRT calls, against a stand-in module ------------------------------------
+
+
+def fake_tensorrt(parse_ok: bool = True) -> types.ModuleType:
+    """Just enough of the TensorRT 10 API to run build_engine and TensorRTRuntime's checks; records calls."""
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = "10.13.0"
+    trt.calls = []
+    rec = trt.calls.append
+
+    class Logger:
+        WARNING = 2
+
+        def __init__(self, level):
+            pass
+
+    class Error:
+        def node(self):
+            return 7
+
+        def node_name(self):
+            return "node_MatMul_7"
+
+        def node_operator(self):
+            return "MatMul"
+
+        def desc(self):
+            return "unsupported data type"
+
+    class Parser:
+        num_errors = 0 if parse_ok else 1
+
+        def __init__(self, network, logger):
+            pass
+
+        def parse(self, data):
+            rec(("parse", len(data)))
+            return parse_ok
+
+        def get_error(self, i):
+            return Error()
+
+    class Cache:
+        def serialize(self):
+            return b"timing cache"
+
+    class Config:
+        def set_memory_pool_limit(self, pool, size):
+            rec(("workspace", size))
+
+        def clear_flag(self, flag):
+            rec(("clear_flag", flag))
+
+        def add_optimization_profile(self, profile):
+            rec(("profile", profile.shapes))
+
+        def create_timing_cache(self, data):
+            rec(("timing_cache_in", data))
+            return Cache()
+
+        def set_timing_cache(self, cache, ignore_mismatch):
+            pass
+
+        def get_timing_cache(self):
+            return Cache()
+
+    class Profile:
+        def set_shape(self, name, *shapes):
+            self.shapes = (name, *shapes)
+
+    class Builder:
+        def __init__(self, logger):
+            pass
+
+        def create_network(self, flags):
+            rec(("create_network", flags))
+            return object()
+
+        def create_builder_config(self):
+            return Config()
+
+        def create_optimization_profile(self):
+            return Profile()
+
+        def build_serialized_network(self, network, config):
+            return b"serialized engine"
+
+    trt.Logger, trt.OnnxParser, trt.Builder = Logger, Parser, Builder
+    trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE=0)
+    trt.BuilderFlag = types.SimpleNamespace(TF32="TF32")
+    trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=1)
+    return trt
+
+
+def test_build_engine_calls(tmp_path, onnx_file, monkeypatch):
+    import capserve.export.tensorrt as export_trt
+
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt())
+    monkeypatch.setattr(export_trt, "gpu_name", lambda device="cuda": "NVIDIA H200")
+    cache = tmp_path / "timing.cache"
+    engine = build_engine(onnx_file, tmp_path / "model.plan", 2, 8, 64, timing_cache=cache)
+    calls = sys.modules["tensorrt"].calls
+    assert ("create_network", 0) in calls and ("clear_flag", "TF32") in calls
+    assert ("profile", ("images", (2, 3, 32, 32), (8, 3, 32, 32), (64, 3, 32, 32))) in calls
+    assert ("timing_cache_in", b"") in calls and cache.read_bytes() == b"timing cache"
+    assert engine.read_bytes() == b"serialized engine"
+    sidecar = EngineSidecar.read(sidecar_path(engine))
+    assert (sidecar.tensorrt_version, sidecar.gpu_name, sidecar.max_batch) == ("10.13.0", "NVIDIA H200", 64)
+    assert sidecar.onnx_sha256 == __import__("hashlib").sha256(onnx_file.read_bytes()).hexdigest()
+    assert sidecar.metadata == load_runtime(onnx_file).metadata and sidecar.precision == "fp32"
+
+    build_engine(onnx_file, tmp_path / "half.plan", fp16=True, timing_cache=cache)  # strongly typed on TRT 10
+    assert ("create_network", 2) in calls and ("timing_cache_in", b"timing cache") in calls
+    assert EngineSidecar.read(sidecar_path(tmp_path / "half.plan")).precision == "fp16"
+
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt(parse_ok=False))
+    with pytest.raises(ExportError, match=r"node 7 'node_MatMul_7' \(MatMul\): unsupported data type"):
+        build_engine(onnx_file, tmp_path / "bad.plan")
+
+
+def test_runtime_refuses_a_mismatched_engine_before_deserialising(tmp_path, monkeypatch):
+    import capserve.runtime.tensorrt_backend as backend
+
+    trt = fake_tensorrt()
+    trt.__version__ = "10.14.1"
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(backend, "gpu_name", lambda device="cuda": "NVIDIA H200")
+    engine = tmp_path / "model.plan"
+    engine.write_bytes(b"engine bytes")
+    sidecar_path(engine).write_text(sidecar_for(b"engine bytes").to_json())
+    with pytest.raises(RuntimeLoadError, match="rebuild it here with `capserve export tensorrt"):
+        load_runtime(engine, device="cuda")
+    sidecar_path(engine).write_text(dataclasses.replace(sidecar_for(b"engine bytes"), gpu_name="NVIDIA L4").to_json())
+    trt.__version__ = "10.13.0"
+    with pytest.raises(RuntimeLoadError, match="built for 'NVIDIA L4'"):
+        load_runtime(engine, device="cuda")
+
+
+def test_tensorrt_cli_reports_missing_tensorrt(onnx_file, tmp_path, capsys):
+    from capserve.cli import main
+
+    rc = main(["export", "tensorrt", str(onnx_file), "-o", str(tmp_path / "m.plan"), "--min-batch", "9",
+               "--opt-batch", "4"])  # fmt: skip
+    assert rc == 2 and "--min-batch <= --opt-batch" in capsys.readouterr().err
+    if not HAS_TENSORRT:
+        assert main(["export", "tensorrt", str(onnx_file), "-o", str(tmp_path / "m.plan")]) == 2
+        assert TENSORRT_MISSING in capsys.readouterr().err
+
+
+# --- the real thing --------------------------------------------------------------------------------------------
+
+
+NEEDS = (("TensorRT is not installed", HAS_TENSORRT), ("no CUDA GPU", torch.cuda.is_available()))
+MISSING = [what for what, ok in NEEDS if not ok]
+
+
+@pytest.mark.skipif(bool(MISSING), reason=" and ".join(MISSING) + " (TensorRT engines need both)")
+def test_tensorrt_engine_matches_eager(model, onnx_file, tmp_path):
+    engine = build_engine(onnx_file, tmp_path / "model.plan", 1, 4, 8, timing_cache=tmp_path / "cache")
+    runtime = load_runtime(engine, device="cuda")
+    for B in (1, 3, 8):
+        x = tiny_input(model, B)
+        with torch.no_grad():
+            expected = model(x, iterations=2).numpy()
+        got = runtime.predict(x.numpy())
+        assert np.abs(got - expected).max() <= 1e-3
+        assert (got.argmax(1) == expected.argmax(1)).all()
+    with pytest.raises(InputError, match="optimisation profile"):
+        runtime.predict(np.zeros((9, 3, 32, 32), np.float32))
+    sidecar = EngineSidecar.read(sidecar_path(engine))
+    sidecar_path(engine).write_text(dataclasses.replace(sidecar, gpu_name="another GPU").to_json())
+    with pytest.raises(RuntimeLoadError, match="built for 'another GPU'"):
+        load_runtime(engine, device="cuda")

@@ -1,0 +1,478 @@
+"""The HTTP service, for real: `bentoml serve service:CapsuleService` in a subprocess, tiny random models exported to
+ONNX, real HTTP with httpx. One server per module; start-up failures get their own short-lived servers."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+from PIL import Image
+
+import capserve
+from capserve import images
+from capserve.runtime import load_runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+BENTOML = str(Path(sys.executable).with_name("bentoml"))
+MAX_BYTES = 300_000
+MAX_PIXELS = 1_000_000
+MAX_IMAGES = 8
+THRESHOLDS = (0.3, 0.7) * 5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp: Path, **env: str) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    log = tmp / f"server-{port}.log"
+    environ = {**os.environ, "BENTOML_HOME": str(tmp / "bentoml"), "BENTOML_DO_NOT_TRACK": "True", **env}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [BENTOML, "serve", "service:CapsuleService", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT,
+            env=environ,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop(proc)
+    pytest.fail(f"server not ready after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def export(model: capserve.CapsNet, directory: Path, explain: bool) -> Path:
+    from capserve.export.onnx import export_onnx
+
+    model.save(directory)
+    export_onnx(model, directory / "model.onnx")
+    if explain:
+        export_onnx(model, directory / "model-explain.onnx", explain=True)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("models")
+    return {
+        "cifar10": export(tiny_model("cifar10-resnet"), tmp / "cifar10", explain=True),
+        "multimnist": export(tiny_model("multimnist-matrix-small", thresholds=THRESHOLDS), tmp / "multimnist", False),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    proc, url, log = start_server(
+        tmp,
+        CAPSERVE_MODEL=str(models["cifar10"]),
+        CAPSERVE_MULTILABEL_MODEL=str(models["multimnist"]),
+        CAPSERVE_MAX_BYTES=str(MAX_BYTES),
+        CAPSERVE_MAX_PIXELS=str(MAX_PIXELS),
+        CAPSERVE_MAX_IMAGES=str(MAX_IMAGES),
+        CAPSERVE_MAX_BATCH_SIZE="16",
+        CAPSERVE_MAX_LATENCY_MS="1000",
+    )
+    try:
+        wait_ready(proc, url, log)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            yield client
+    finally:
+        stop(proc)
+    assert proc.returncode is not None
+
+
+@pytest.fixture(scope="module")
+def eager(models) -> dict[str, capserve.CapsNet]:
+    return {name: capserve.load(path) for name, path in models.items()}
+
+
+def encode(pixels: np.ndarray, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def random_png(seed: int, size: tuple[int, int] = (32, 32), mode: str = "RGB") -> bytes:
+    shape = (size[1], size[0], 3) if mode == "RGB" else (size[1], size[0])
+    return encode(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8))
+
+
+def eager_logits(model: capserve.CapsNet, data: bytes) -> np.ndarray:
+    x = images.preprocess(data, model.config)
+    with torch.inference_mode():
+        return model(torch.from_numpy(x)).numpy()[0]
+
+
+def softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def upload(data: bytes, field: str = "image", content_type: str = "image/png") -> dict:
+    return {"files": {field: ("upload.png", data, content_type)}}
+
+
+def error_of(response: httpx.Response) -> str:
+    body = response.json()  # every error is JSON
+    body = body[0] if isinstance(body, list) else body
+    assert body["error"], body
+    return body["error"] if isinstance(body["error"], str) else str(body)
+
+
+# ------------------------------------------------------------------------------------------ predictions
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        random_png(0),
+        random_png(1, (50, 40)),
+        random_png(2, (32, 32), "L"),
+        encode(np.full((40, 64, 3), 90, np.uint8), "JPEG"),
+    ],
+    ids=["png", "png-50x40", "gray", "jpeg"],
+)
+def test_classify_equals_eager_pytorch(server, eager, data):
+    r = server.post("/classify", **upload(data), data={"top_k": "10"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "cifar10-resnet" and body["iterations"] == 2
+    expected = softmax(eager_logits(eager["cifar10"], data))
+    got = np.zeros(10)
+    for p in body["predictions"]:
+        got[p["index"]] = p["probability"]
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    assert [p["index"] for p in body["predictions"]] == list(np.argsort(-got, kind="stable"))
+
+
+def test_raw_body_and_top_k(server):
+    data = random_png(3)
+    multipart = server.post("/classify", **upload(data), data={"top_k": "3"}).json()
+    raw = server.post("/classify?top_k=3", content=data, headers={"content-type": "image/png"})
+    assert raw.status_code == 200, raw.text
+    assert raw.json() == multipart and len(multipart["predictions"]) == 3
+
+
+def test_classify_batch_in_order(server):
+    datas = [random_png(10 + i) for i in range(5)]
+    r = server.post("/classify_batch", files=[("images", (f"{i}.png", d, "image/png")) for i, d in enumerate(datas)])
+    assert r.status_code == 200, r.text
+    singles = [server.post("/classify", **upload(d)).json() for d in datas]
+    batch = r.json()
+    assert len(batch) == 5
+    for b, s in zip(batch, singles, strict=True):
+        assert [p["index"] for p in b["predictions"]] == [p["index"] for p in s["predictions"]]
+        np.testing.assert_allclose(
+            [p["probability"] for p in b["predictions"]], [p["probability"] for p in s["predictions"]], atol=1e-6
+        )
+
+
+def test_multilabel_thresholds(server, eager):
+    data = encode(np.random.default_rng(5).integers(0, 256, (36, 36, 3), dtype=np.uint8))
+    body = server.post("/multilabel", **upload(data)).json()
+    probabilities = 1 / (1 + np.exp(-eager_logits(eager["multimnist"], data)))
+    np.testing.assert_allclose([body["probabilities"][str(d)] for d in range(10)], probabilities, atol=1e-5)
+    assert body["thresholds"] == {str(d): t for d, t in enumerate(THRESHOLDS)}
+    expected = {str(d) for d in range(10) if probabilities[d] >= THRESHOLDS[d]}
+    assert {label["label"] for label in body["labels"]} == expected
+    assert 0 < len(expected) < 10  # the per-class thresholds split this model's near-0.5 outputs
+    for threshold in (0.01, 0.99):
+        chosen = server.post(f"/multilabel?threshold={threshold}", content=data, headers={"content-type": "image/png"})
+        assert {label["label"] for label in chosen.json()["labels"]} == {
+            str(d) for d in range(10) if probabilities[d] >= threshold
+        }
+
+
+def test_explain_matches_the_routing_trace(server, eager):
+    data = random_png(6)
+    r = server.post("/explain", **upload(data), data={"capsules": "5"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    model = eager["cifar10"]
+    with torch.inference_mode():
+        trace = model.trace(torch.from_numpy(images.preprocess(data, model.config)))
+    c = int(trace.logits[0].argmax())
+    assert body["prediction"]["index"] == c
+    parse = trace.part_whole()[0, c].numpy()  # (H, W, I)
+    for capsule in body["capsules"]:
+        assert capsule["strength"] == pytest.approx(parse[capsule["row"], capsule["col"], capsule["type"]], abs=1e-5)
+    assert body["capsules"][0]["strength"] == pytest.approx(parse.max(), abs=1e-5) and len(body["capsules"]) == 5
+    np.testing.assert_allclose(body["grid"], parse.mean(axis=-1), atol=1e-5)
+    heatmap = Image.open(io.BytesIO(base64.b64decode(body["heatmap_png"])))
+    assert heatmap.format == "PNG" and heatmap.size == (256, 256)
+
+
+def test_model_metadata(server):
+    r = server.get("/model")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    single = body["single_label"]
+    assert single["name"] == "cifar10-resnet" and single["task"] == "single_label"
+    assert single["labels"][0] == "airplane" and single["input_shape"] == [3, 32, 32]
+    assert single["backend"] == "onnxruntime" and single["providers"] == ["CPUExecutionProvider"]
+    assert body["multi_label"]["name"] == "multimnist-matrix-small" and body["multi_label"]["image_size"] == 36
+    assert body["versions"]["capserve"] == capserve.__version__
+    assert body["batching"] == {"enabled": True, "max_batch_size": 16, "max_latency_ms": 1000}
+
+
+def test_concurrent_requests_equal_unbatched(server, models):
+    datas = [random_png(100 + i) for i in range(64)]
+    runtime = load_runtime(models["cifar10"] / "model.onnx")  # batch of 1 each: the unbatched answers
+    expected = [softmax(runtime.predict(images.preprocess(d, runtime.metadata))[0]) for d in datas]
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=str(server.base_url), timeout=120) as client:
+            return await asyncio.gather(*(client.post("/classify", **upload(d), data={"top_k": "10"}) for d in datas))
+
+    before = batches(server)
+    responses = asyncio.run(send_all())
+    assert [r.status_code for r in responses] == [200] * 64
+    for r, e in zip(responses, expected, strict=True):
+        got = np.zeros(10)
+        for p in r.json()["predictions"]:
+            got[p["index"]] = p["probability"]
+        np.testing.assert_allclose(got, e, atol=1e-5)
+    count, total = (a - b for a, b in zip(batches(server), before, strict=True))
+    assert total == 64 and count < 64, "adaptive batching should have merged some of 64 concurrent requests"
+
+
+def batches(server) -> tuple[float, float]:
+    """(batches run, images in them) for /classify's adaptive batching, from /metrics."""
+    count = total = 0.0
+    for line in server.get("/metrics").text.splitlines():
+        if line.startswith('capserve_batch_size_count{endpoint="classify"}'):
+            count = float(line.rsplit(" ", 1)[1])
+        elif line.startswith('capserve_batch_size_sum{endpoint="classify"}'):
+            total = float(line.rsplit(" ", 1)[1])
+    return count, total
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    from test_images import png_header_only as header
+
+    return header(width, height)
+
+
+def animated_gif() -> bytes:
+    frames = [Image.new("RGB", (32, 32), c) for c in ((200, 30, 30), (0, 0, 255))]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, "GIF", save_all=True, append_images=frames[1:], duration=50, loop=0)
+    return buffer.getvalue()
+
+
+def chunks(data: bytes):
+    for i in range(0, len(data), 65536):
+        yield data[i : i + 65536]
+
+
+GOOD = random_png(7)
+BIG = np.random.default_rng(8).integers(0, 256, (300, 400, 3), dtype=np.uint8)
+JPEG = encode(np.full((32, 32, 3), 120, np.uint8), "JPEG")
+MULTIPART = "multipart/form-data; boundary=xyz"
+BAD_INPUTS = {
+    "empty-raw-body": ("/classify", dict(content=b"", headers={"content-type": "image/png"}), {400}),
+    "empty-no-content-type": ("/classify", dict(content=b""), {400}),
+    "empty-multipart": ("/classify", dict(content=b"--xyz--\r\n", headers={"content-type": MULTIPART}), {400}),
+    "empty-file": ("/classify", upload(b""), {400}),
+    "not-an-image": ("/classify", upload(b"hello, world" * 10), {400}),
+    "not-an-image-raw": ("/classify", dict(content=b"%PDF-1.4", headers={"content-type": "image/jpeg"}), {400}),
+    "truncated-png": ("/classify", upload(random_png(9, (64, 64))[:700]), {400}),
+    "truncated-jpeg": ("/classify", upload(encode(BIG, "JPEG")[:2000], content_type="image/jpeg"), {400}),
+    "over-byte-limit": ("/classify", upload(encode(BIG, "BMP")), {413}),
+    "over-byte-limit-chunked": (
+        "/classify",
+        dict(content=chunks(encode(BIG, "BMP")), headers={"content-type": "image/bmp"}),
+        {413},
+    ),
+    "decompression-bomb": ("/classify", upload(png_header_only(100_000, 100_000)), {413}),
+    "over-pixel-limit": ("/classify", upload(png_header_only(1200, 1000)), {413}),
+    "zero-sized": ("/classify", upload(png_header_only(0, 0)), {400, 422}),
+    "1x1": ("/classify", upload(encode(np.zeros((1, 1, 3), np.uint8))), {422}),
+    "wrong-field-name": ("/classify", upload(GOOD, field="file"), {400}),
+    "field-as-text": ("/classify", dict(data={"image": "http://127.0.0.1:1/x.png"}, files={"x": ("x", b"1")}), {400}),
+    "field-not-image-type": ("/classify", upload(GOOD, content_type="text/plain"), {400, 415}),
+    "top-k-zero": ("/classify", dict(**upload(GOOD), data={"top_k": "0"}), {400, 422}),
+    "top-k-too-big": ("/classify", dict(**upload(GOOD), data={"top_k": "11"}), {400, 422}),
+    "top-k-text": ("/classify", dict(**upload(GOOD), data={"top_k": "many"}), {400, 422}),
+    "top-k-query": ("/classify?top_k=-1", dict(content=GOOD, headers={"content-type": "image/png"}), {400, 422}),
+    "threshold-zero": ("/multilabel", dict(**upload(GOOD), data={"threshold": "0"}), {400, 422}),
+    "threshold-one": ("/multilabel", dict(**upload(GOOD), data={"threshold": "1"}), {400, 422}),
+    "threshold-big": (
+        "/multilabel?threshold=1.5",
+        dict(content=GOOD, headers={"content-type": "image/png"}),
+        {400, 422},
+    ),
+    "threshold-nan": (
+        "/multilabel?threshold=nan",
+        dict(content=GOOD, headers={"content-type": "image/png"}),
+        {400, 422},
+    ),
+    "json-content-type": ("/classify", dict(json={"image": "x"}), {415}),
+    "text-content-type": ("/explain", dict(content=b"abc", headers={"content-type": "text/plain"}), {415}),
+    "malformed-multipart": (
+        "/classify",
+        dict(content=b'--xyz\r\nContent-Disposition: form-data; name="image"', headers={"content-type": MULTIPART}),
+        {400},
+    ),
+    "multipart-no-boundary": (
+        "/classify",
+        dict(content=b"abc", headers={"content-type": "multipart/form-data"}),
+        {400},
+    ),
+    "bad-query-name": ("/classify?a%0d%0ab=1", dict(content=GOOD, headers={"content-type": "image/png"}), {400}),
+    "too-many-images": (
+        "/classify_batch",
+        dict(files=[("images", ("a.png", GOOD, "image/png"))] * (MAX_IMAGES + 1)),
+        {413},
+    ),
+    "batch-with-bad-image": (
+        "/classify_batch",
+        dict(files=[("images", ("a.png", GOOD, "image/png")), ("images", ("b.png", b"junk", "image/png"))]),
+        {400},
+    ),
+    "logits-float": ("/logits", dict(json={"images": [[[[0.5] * 32] * 32] * 3]}), {400}),
+    "logits-shape": ("/logits", dict(json={"images": [[[[1] * 8] * 8] * 3]}), {400}),
+    "logits-range": ("/logits", dict(json={"images": [[[[300] * 32] * 32] * 3]}), {400}),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_gets_a_clear_4xx_and_serving_goes_on(server, name):
+    path, request, statuses = BAD_INPUTS[name]
+    r = server.post(path, **request)
+    assert r.status_code in statuses, (r.status_code, r.text)
+    assert error_of(r)
+    good = server.post("/classify", **upload(GOOD))
+    assert good.status_code == 200, good.text
+
+
+@pytest.mark.parametrize(
+    "data, content_type",
+    [(animated_gif(), "image/gif"), (JPEG, "image/png"), (JPEG, "application/octet-stream")],
+    ids=["animated-gif-first-frame", "jpeg-labelled-png", "octet-stream"],
+)
+def test_odd_but_valid_input_is_served(server, eager, data, content_type):
+    r = server.post("/classify?top_k=10", content=data, headers={"content-type": content_type})
+    assert r.status_code == 200, r.text
+    best = r.json()["predictions"][0]
+    assert best["index"] == int(np.argmax(eager_logits(eager["cifar10"], data)))
+
+
+def test_metrics_readyz_livez(server):
+    assert server.get("/readyz").status_code == 200
+    assert server.get("/livez").status_code == 200
+    server.post("/classify", **upload(GOOD))
+    metrics = server.get("/metrics")
+    assert metrics.status_code == 200
+    assert 'bentoml_service_request_total{endpoint="/classify"' in metrics.text.replace(", ", ",")
+    assert 'capserve_batch_size_count{endpoint="classify"}' in metrics.text
+
+
+# ------------------------------------------------------------------------------------------ start-up
+
+
+def failed_start(tmp: Path, **env: str) -> str:
+    proc, _, log = start_server(tmp, CAPSERVE_MULTILABEL_MODEL="none", **env)
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        pytest.fail(f"the server kept running with a broken model:\n{log.read_text()[-2000:]}")
+    return log.read_text()
+
+
+def test_corrupt_model_fails_startup(models, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (broken / name).write_bytes((models["cifar10"] / name).read_bytes())
+    (broken / "model.onnx").write_bytes((models["cifar10"] / "model.onnx").read_bytes()[:5000])
+    log = failed_start(tmp_path, CAPSERVE_MODEL=str(broken))
+    assert "capserve cannot start" in log and "is not a loadable ONNX model" in log
+
+
+def test_missing_artifact_fails_startup(models, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_bytes((models["cifar10"] / "config.json").read_bytes())
+    log = failed_start(tmp_path, CAPSERVE_MODEL=str(bare))
+    assert "has no model.onnx" in log and "capserve export onnx" in log
+
+
+# ------------------------------------------------------------------------------------------ settings, build
+
+
+def test_settings_from_env():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from service import ConfigurationError, Settings
+    finally:
+        sys.path.remove(str(ROOT))
+    s = Settings.from_env({"CAPSERVE_MAX_BATCH_SIZE": "4", "CAPSERVE_BACKEND": "torch", "CAPSERVE_ITERATIONS": "3"})
+    assert (s.max_batch_size, s.backend, s.iterations, s.model) == (4, "torch", 3, "models/cifar10")
+    for env, message in [
+        ({"CAPSERVE_BACKEND": "tf"}, "choose one of"),
+        ({"CAPSERVE_MAX_BYTES": "lots"}, "not an integer"),
+        ({"CAPSERVE_MAX_BATCH_SIZE": "0"}, ">= 1"),
+        ({"CAPSERVE_ITERATIONS": "3"}, "torch backend only"),
+    ]:
+        with pytest.raises(ConfigurationError, match=message):
+            Settings.from_env(env)
+
+
+@pytest.mark.slow
+def test_bentoml_build(tmp_path):
+    env = {**os.environ, "BENTOML_HOME": str(tmp_path), "BENTOML_DO_NOT_TRACK": "True"}
+    r = subprocess.run(
+        [BENTOML, "build", "--output", "tag"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    bento = next((tmp_path / "bentos" / "capserve").glob("*/bento.yaml"))
+    dockerfile = (bento.parent / "env" / "docker" / "Dockerfile").read_text()
+    assert "nvidia/cuda:12" in dockerfile
+    assert "onnxruntime-gpu" in (bento.parent / "env" / "python" / "requirements.txt").read_text()
+    assert (bento.parent / "src" / "service.py").is_file() and (
+        bento.parent / "src" / "capserve" / "images.py"
+    ).is_file()
