@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import statistics
 import tempfile
 import time
@@ -28,15 +29,18 @@ import capserve
 from capserve.runtime.onnx_backend import OnnxRuntime
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds per call, timing the variants round-robin so that load from other processes on a shared
+    machine falls on all of them alike (one warm-up call each first)."""
+    for fn in fns.values():
         fn()
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -46,7 +50,8 @@ def main() -> None:
     parser.add_argument("--cifar", help="CIFAR-10 folder: report test accuracy of every variant")
     parser.add_argument("--limit", type=int, default=2000, help="test images used with --cifar")
     parser.add_argument("-T", "--iterations", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--repeats", type=int, default=15, help="timed runs at batch 1 (batch 64: a third)")
+    parser.add_argument("--repeats", type=int, default=11, help="timed runs per variant at batch 1")
+    parser.add_argument("--repeats-64", type=int, default=5, help="timed runs per variant at batch 64")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
 
@@ -67,7 +72,7 @@ def main() -> None:
 
     print(f"{c.name} ({'checkpoint ' + args.checkpoint if args.checkpoint else 'random weights'}), "
           f"{args.threads} threads, torch {torch.__version__}, median of {args.repeats} (batch 1) / "
-          f"{max(3, args.repeats // 3)} (batch 64) runs")  # fmt: skip
+          f"{args.repeats_64} (batch 64) interleaved runs; × = speed-up over eager fp32")  # fmt: skip
     header = (
         f"{'T':>2} {'variant':<22} {'b1 ms':>8} {'b1 ×':>6} {'b64 img/s':>10} {'b64 ×':>6} {'max|Δ|':>9} {'top-1':>7}"
     )
@@ -93,6 +98,8 @@ def main() -> None:
             with contextlib.suppress(Exception):  # quantisation support varies with onnxruntime versions
                 from onnxruntime.quantization import QuantType, quantize_dynamic
 
+                logging.getLogger().setLevel(logging.ERROR)  # its "consider pre-processing" advice, per file
+
                 int8 = Path(tmp) / f"T{T}-int8.onnx"
                 quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8)
                 variants["ort int8 dynamic"] = OnnxRuntime(int8, threads=args.threads).predict
@@ -100,17 +107,15 @@ def main() -> None:
             variants["ort fp16 graph"] = OnnxRuntime(fp16, threads=args.threads).predict
 
             reference = eager(x64)
-            base1 = base64 = 0.0
+            t1 = interleaved_medians({k: (lambda fn=fn: fn(x1)) for k, fn in variants.items()}, args.repeats)
+            t64 = interleaved_medians({k: (lambda fn=fn: fn(x64)) for k, fn in variants.items()}, args.repeats_64)
             for name, fn in variants.items():
-                t1 = median_seconds(lambda fn=fn: fn(x1), args.repeats)
-                t64 = median_seconds(lambda fn=fn: fn(x64), max(3, args.repeats // 3), warmup=1)
-                if name == "eager fp32":
-                    base1, base64 = t1, t64
                 out = fn(x64)
                 diff = float(np.abs(out - reference).max())
                 agree = float((out.argmax(1) == reference.argmax(1)).mean())
-                line = (f"{T:>2} {name:<22} {t1 * 1e3:>8.2f} {base1 / t1:>6.2f} {64 / t64:>10.1f} {base64 / t64:>6.2f} "
-                        f"{diff:>9.2e} {agree:>7.3f}")  # fmt: skip
+                speedup1, speedup64 = t1["eager fp32"] / t1[name], t64["eager fp32"] / t64[name]
+                line = (f"{T:>2} {name:<20} {t1[name] * 1e3:>8.2f} {speedup1:>6.2f} {64 / t64[name]:>10.1f} "
+                        f"{speedup64:>6.2f} {diff:>9.2e} {agree:>7.3f}")  # fmt: skip
                 if test:
                     images, labels = test
                     preds = np.concatenate([fn(images[i : i + 64]).argmax(1) for i in range(0, len(images), 64)])

@@ -41,6 +41,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -101,7 +102,7 @@ def _find_dir(root: str | Path, candidates: Sequence[str], marker: Sequence[str]
 class _ArrayUnpickler(pickle.Unpickler):
     """Unpickles the CIFAR batches (dicts, lists, numpy arrays) and refuses anything else: no code runs."""
 
-    ALLOWED = {
+    ALLOWED: ClassVar[set[tuple[str, str]]] = {
         ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy", "ndarray"),
@@ -122,7 +123,9 @@ def _read_pickle(path: Path, url: str) -> dict:
         with open(path, "rb") as f:
             data = _ArrayUnpickler(f, encoding="latin1").load()
     except Exception as e:  # truncated or foreign files raise many different errors
-        raise ValueError(f"{path} is not a CIFAR python batch ({type(e).__name__}: {e}); re-extract it from {url}")
+        raise ValueError(
+            f"{path} is not a CIFAR python batch ({type(e).__name__}: {e}); re-extract it from {url}"
+        ) from e
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a CIFAR python batch (got {type(data).__name__}); re-extract it from {url}")
     return data
@@ -281,7 +284,7 @@ def random_crop_flip(images: Tensor, padding: int = 4, generator: torch.Generato
     Returns:
         (B, C, H, W), same dtype, channels-last in memory.
     """
-    B, C, H, W = images.shape
+    B, _, H, W = images.shape
     dev = images.device
     padded = F.pad(images, (padding, padding, padding, padding))  # (B, C, H+2p, W+2p)
     dy = torch.randint(0, 2 * padding + 1, (B, 1), device=dev, generator=generator)
@@ -306,7 +309,7 @@ def multimnist(digits: Tensor, labels: Tensor, n: int, generator: torch.Generato
     docstring for the recipe.
     """
     dev = digits.device
-    N, h, w = digits.shape
+    N, h, _ = digits.shape
     if N == 0:
         raise ValueError("no MNIST digits to draw from")
     two = torch.rand(n, device=dev, generator=generator) >= 1 / 6  # (n,)
@@ -434,4 +437,3 @@ def load_validation(dataset: str, root: str | Path, val_size: int) -> Split:
     if data.val is None:
         raise ValueError("this checkpoint was trained without a validation split (--val-size 0)")
     return data.val
-

@@ -81,7 +81,7 @@ def fit_thresholds(logits: Tensor, targets: Tensor, grid: tuple[float, ...] = TH
     for c in range(scores.shape[1]):
         top = scores[:, c] >= scores[:, c].max() - 1e-12
         candidates = g[top]
-        best.append(float(candidates[(candidates - 0.5).abs().argmin()]))
+        best.append(round(float(candidates[(candidates - 0.5).abs().argmin()]), 4))
     return tuple(best)
 
 
@@ -179,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
         split = split.subset(torch.arange(min(args.limit, len(split))))
     results = evaluate(model, split, iterations, args.batch_size, args.device)
     key = "exact_match" if c.task == "multi_label" else "top1"
-    second = "macro_f1" if c.task == "multi_label" else next(k for k in results[iterations[0]] if k.startswith("top") and k != "top1")
+    tops = [k for k in results[iterations[0]] if k.startswith("top") and k != "top1"]
+    second = "macro_f1" if c.task == "multi_label" else tops[0]
     print(f"{c.name} on {dataset} {args.split} ({len(split)} images; trained with T = {c.iterations})")
     print(f"{'T':>3} {key:>12} {second:>10}")
     for T in iterations:
@@ -194,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "evaluation.json").write_text(json.dumps({"model": c.name, "dataset": dataset, "split": args.split,
-                                                         "images": len(split), "results": results}, indent=1))  # fmt: skip
+        report = {"model": c.name, "dataset": dataset, "split": args.split, "images": len(split), "results": results}
+        (out / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
         plot_iterations(results, key, out / "iterations.png", f"{c.name}: {args.split} {key} vs T")
     return 0

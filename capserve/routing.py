@@ -96,9 +96,8 @@ def _block_weight(weight: Tensor, rows: int) -> Tensor:
     w = weight.permute(0, 2, 1, 3)  # (N, X, J, Y)
     if rows == 1:
         return w.reshape(N, X, J * Y)  # (N, X, JY)
-    eye = torch.eye(rows, dtype=weight.dtype, device=weight.device)
-    # δ(ρ', ρ) W_ij[x, y] at [i, ρ', x, j, ρ, y]: a broadcast product of two operands
-    w = eye[None, :, None, None, :, None] * w[:, None, :, :, None, :]  # (N, r, X, J, r, Y)
+    # δ(ρ', ρ) W_ij[x, y] at [i, ρ', x, j, ρ, y]: the r copies of W_ij put on a diagonal (zeros elsewhere)
+    w = torch.diag_embed(w[..., None].expand(N, X, J, Y, rows), dim1=1, dim2=4)  # (N, r, X, J, r, Y)
     return w.reshape(N, rows * X, J * rows * Y)  # (N, rX, J·D_out)
 
 

@@ -1,0 +1,161 @@
+"""Training and evaluation on tiny models and tiny data: learning, exact resume, DDP (2 gloo processes), CLI errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_overrides
+from safetensors.torch import load_file
+from test_data import write_mnist
+
+import capserve
+from capserve import evaluate as ev
+from capserve.cli import main
+from capserve.train import TrainConfig, lr_factor, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_easy_cifar10(root: Path, n_per_batch: int = 12, n_test: int = 20) -> Path:
+    """CIFAR-10 files whose classes differ by colour, so that a few steps can learn them."""
+    import pickle
+
+    d = root / "cifar-10-batches-py"
+    d.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    palette = rng.integers(0, 256, (10, 3))
+    for name, n in [*((f"data_batch_{i}", n_per_batch) for i in range(1, 6)), ("test_batch", n_test)]:
+        labels = rng.integers(0, 10, n)
+        images = palette[labels][:, :, None] + rng.integers(-20, 21, (n, 3, 1024))
+        payload = {"labels": labels.tolist(), "data": images.clip(0, 255).astype(np.uint8).reshape(n, 3072)}
+        with open(d / name, "wb") as f:
+            pickle.dump(payload, f)
+    return d
+
+
+def cfg(model: str, data: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(overrides=tiny_overrides(model), epochs=2, batch_size=16, lr=0.05, val_size=12, eval_batch_size=32,
+                device="cpu")  # fmt: skip
+    return TrainConfig(model=model, data=str(data), out=str(out), **{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def cifar(tmp_path_factory) -> Path:
+    return write_easy_cifar10(tmp_path_factory.mktemp("cifar"))
+
+
+@pytest.fixture(scope="module")
+def mnist(tmp_path_factory) -> Path:
+    return write_mnist(tmp_path_factory.mktemp("mnist"), n_train=120, n_test=40)
+
+
+def test_schedules():
+    assert lr_factor("step", 0.0, 149, 350) == 1 and lr_factor("step", 0.5, 150, 350) == pytest.approx(0.1)
+    assert lr_factor("step", 0.9, 250, 350) == pytest.approx(0.01)
+    assert lr_factor("cosine", 0, 0, 1) == 1 and lr_factor("cosine", 1, 0, 1) == pytest.approx(0)
+    assert lr_factor("onecycle", 0, 0, 1) == pytest.approx(1 / 25) and lr_factor("onecycle", 0.15, 0, 1) == 1
+    assert lr_factor("onecycle", 1.0, 0, 1) == pytest.approx(0)
+
+
+def test_training_reduces_loss_and_writes_outputs(cifar, tmp_path):
+    out = tmp_path / "run"
+    summary = train(cfg("cifar10-simple", cifar, out, epochs=6, batch_size=8, lr=0.1, schedule="cosine", amp="bf16",
+                        channels_last=True, grad_clip=5.0))  # fmt: skip
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and rows[-1]["train_loss"] < 0.7 * rows[0]["train_loss"]
+    assert {"val_acc", "val_loss", "lr", "images_per_s"} <= set(rows[0])
+    assert 0 <= summary["test_acc"] <= 1 and summary["best_epoch"] >= 1
+    model = capserve.load(out / "best")  # best/ is a plain model folder
+    assert model.config.extra["data"] == {"dataset": "cifar10", "val_size": 12}
+    assert (out / "curves.png").stat().st_size > 0
+    assert set(os.listdir(out / "last")) == {"model.safetensors", "config.json", "optimizer.safetensors",
+                                             "trainer.json"}  # fmt: skip
+
+
+def test_resume_continues_exactly(cifar, tmp_path):
+    whole = tmp_path / "whole"
+    train(cfg("cifar10-simple", cifar, whole, test=False))  # 2 epochs × 3 steps
+    part = tmp_path / "part"
+    train(cfg("cifar10-simple", cifar, part, test=False, max_steps=4))  # stops inside epoch 2
+    state = json.loads((part / "last" / "trainer.json").read_text())["state"]
+    assert (state["epoch"], state["batch"], state["step"]) == (1, 1, 4)
+    assert main(["train", "--resume", str(part)]) == 0
+    a, b = load_file(str(whole / "last" / "model.safetensors")), load_file(str(part / "last" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    oa = load_file(str(whole / "last" / "optimizer.safetensors"))
+    ob = load_file(str(part / "last" / "optimizer.safetensors"))
+    assert all(torch.equal(oa[k], ob[k]) for k in oa if k.startswith("state."))
+
+
+def test_ddp_two_cpu_processes_match_one(mnist, tmp_path):
+    # multimnist models have no BatchNorm: 2 ranks × 8 images must equal 1 process × 16 images
+    overrides = json.dumps(tiny_overrides("multimnist-matrix-small")["capsules"][0].__dict__)
+    args = ["train", "--model", "multimnist-matrix-small", "--data", str(mnist), "--epochs", "1", "--epoch-size",
+            "48", "--batch-size", "16", "--val-size", "20", "--eval-batch-size", "10", "--no-test", "--device", "cpu",
+            "--set", "backbone_channels=8", "--set", "primary_types=4", "--set",
+            f"capsules=[{overrides}, {{\"kind\": \"fc\", \"types\": 5}}]"]  # fmt: skip
+    single = tmp_path / "single"
+    assert main([*args, "--out", str(single)]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "capserve.cli", *args, "--out", str(tmp_path / "ddp")]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["steps"] == 3
+    a = load_file(str(single / "last" / "model.safetensors"))
+    b = load_file(str(tmp_path / "ddp" / "last" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    va = [json.loads(line)["val_acc"] for line in (single / "metrics.jsonl").read_text().splitlines()]
+    vb = [json.loads(line)["val_acc"] for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    assert va == vb  # validation sharded over 2 ranks and all-reduced
+
+
+def test_evaluate_and_calibrate(mnist, cifar, tmp_path, capsys):
+    train(cfg("multimnist-matrix-small", mnist, tmp_path / "mm", epochs=1, epoch_size=32, val_size=40, test=False))
+    best = tmp_path / "mm" / "best"
+    assert main(["evaluate", str(best), "--data", str(mnist), "--iterations", "1,2,3", "--calibrate", "--limit", "300",
+                 "--out", str(tmp_path / "ev")]) == 0  # fmt: skip
+    thresholds = capserve.read_config(best).thresholds
+    assert thresholds is not None and len(thresholds) == 10 and all(0 < t < 1 for t in thresholds)
+    report = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
+    assert report["images"] == 300 and set(report["results"]) == {"1", "2", "3"}
+    assert "per-class F1" in capsys.readouterr().out
+    train(cfg("cifar10-simple", cifar, tmp_path / "c", epochs=1, test=False))
+    assert main(["evaluate", str(tmp_path / "c" / "best"), "--data", str(cifar), "--iterations", "1,2"]) == 0
+    assert "confusion matrix" in capsys.readouterr().out
+
+
+def test_metrics():
+    logits = torch.tensor([[3.0, 1, 0], [0, 2, 1], [0, 1, 2], [2, 0, 1]])
+    m = ev.single_label_metrics(logits, torch.tensor([0, 1, 1, 2]))
+    assert m["top1"] == 0.5 and m["top3"] == 1.0 and m["confusion"] == [[1, 0, 0], [0, 1, 1], [1, 0, 0]]
+    targets = torch.tensor([[1.0, 0], [1, 1], [0, 1]])
+    mm = ev.multi_label_metrics(torch.tensor([[2.0, -1], [1, -0.5], [-1, 1]]), targets, None)
+    assert mm["exact_match"] == pytest.approx(2 / 3) and mm["f1"] == [1.0, pytest.approx(2 / 3)]
+    # class 1's positives score sigmoid(-0.5) and sigmoid(1): a threshold below 0.38 gets them both
+    assert ev.fit_thresholds(torch.tensor([[2.0, -1.5], [1, -0.5], [-1, 1]]), targets)[1] < 0.38
+
+
+def test_cli_errors(cifar, tmp_path, capsys):
+    assert main(["train", "--model", "nope", "--data", str(cifar), "--out", str(tmp_path)]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+    assert main(["train", "--model", "cifar10-simple", "--data", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", "--model", "cifar10-simple", "--data", str(cifar), "--out", str(tmp_path), "--set",
+                 "pose_dim"]) == 2  # fmt: skip
+    assert "key=value" in capsys.readouterr().err
+    assert main(["train", "--model", "cifar10-simple"]) == 2
+    assert "missing --data, --out" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "no checkpoint to resume" in capsys.readouterr().err
+    assert main(["evaluate", str(tmp_path), "--data", str(cifar)]) == 2
+    assert "not a model folder" in capsys.readouterr().err
