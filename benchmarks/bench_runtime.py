@@ -77,6 +77,7 @@ def main() -> None:
         f"{'T':>2} {'variant':<22} {'b1 ms':>8} {'b1 ×':>6} {'b64 img/s':>10} {'b64 ×':>6} {'max|Δ|':>9} {'top-1':>7}"
     )
     print(header + (f" {'test acc':>8}" if test else ""))
+    ort = dict(threads=args.threads, memory_arena=False)  # six sessions with arenas at their peaks: OOM at T=3
     with tempfile.TemporaryDirectory() as tmp:
         for T in args.iterations:
             fp32 = export_onnx(model, Path(tmp) / f"T{T}.onnx", T)
@@ -94,7 +95,7 @@ def main() -> None:
             variants["eager fp32"] = eager
             variants["eager bf16 autocast"] = eager_bf16
             for level in ("disable", "basic", "extended", "all"):
-                variants[f"ort {level}"] = OnnxRuntime(fp32, graph_optimization=level, threads=args.threads).predict
+                variants[f"ort {level}"] = OnnxRuntime(fp32, graph_optimization=level, **ort).predict
             with contextlib.suppress(Exception):  # quantisation support varies with onnxruntime versions
                 from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -102,9 +103,9 @@ def main() -> None:
 
                 int8 = Path(tmp) / f"T{T}-int8.onnx"
                 quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8)
-                variants["ort int8 dynamic"] = OnnxRuntime(int8, threads=args.threads).predict
+                variants["ort int8 dynamic"] = OnnxRuntime(int8, **ort).predict
             fp16 = export_onnx(model, Path(tmp) / f"T{T}-fp16.onnx", T, fp16=True)
-            variants["ort fp16 graph"] = OnnxRuntime(fp16, threads=args.threads).predict
+            variants["ort fp16 graph"] = OnnxRuntime(fp16, **ort).predict
 
             reference = eager(x64)
             t1 = interleaved_medians({k: (lambda fn=fn: fn(x1)) for k, fn in variants.items()}, args.repeats)
