@@ -30,7 +30,7 @@ def save_model(model: CapsNet, directory: str | Path, extra: dict[str, Any] | No
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS), metadata={"format": "pt", "capserve_format": str(FORMAT_VERSION)})
+    save_file(state, str(directory / WEIGHTS), metadata={"format": "pt"})
     payload = {"format_version": FORMAT_VERSION, "config": model.config.to_dict(), **(extra or {})}
     (directory / CONFIG).write_text(json.dumps(payload, indent=2) + "\n")
     return directory

@@ -63,3 +63,12 @@ def test_bad_config_json(tmp_path, content):
     (tmp_path / "config.json").write_text(content)
     with pytest.raises(capserve.CheckpointError):
         capserve.load(tmp_path)
+
+
+def test_saving_the_same_weights_twice_gives_identical_files(tmp_path):
+    """Exports record the weights file's hash; it must not change when the same model is saved again."""
+    model = tiny_model("cifar10-simple")
+    for name in ("a", "b", "c"):
+        model.save(tmp_path / name)
+    files = {(tmp_path / n / "model.safetensors").read_bytes() for n in ("a", "b", "c")}
+    assert len(files) == 1

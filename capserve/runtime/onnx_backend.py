@@ -79,6 +79,9 @@ class OnnxRuntime(Runtime):
         }[graph_optimization]
         options.intra_op_num_threads = threads
         options.enable_cpu_mem_arena = memory_arena
+        # batch sizes vary from call to call (adaptive batching): a memory pattern is planned and kept per input
+        # shape, which costs more memory than it saves time (measured: 127 vs 194 MB RSS over random batches)
+        options.enable_mem_pattern = False
         options.log_severity_level = 3  # errors only: provider fallbacks are checked and reported below
         try:
             with warnings.catch_warnings():  # "provider not available": checked and reported below
