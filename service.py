@@ -83,12 +83,15 @@ IMAGE_ERRORS: dict[type[images.ImageError], type[InvalidArgument]] = {
 }
 
 
-def decode(path: Path, runtime: Runtime, max_pixels: int) -> np.ndarray:
-    """An uploaded file → uint8 (C, H, W) for ``runtime``'s model; bad images raise a 4xx BentoML error."""
+def decode(path: Path, runtime: Runtime, max_pixels: int, what: str = "the image") -> np.ndarray:
+    """An uploaded file → uint8 (C, H, W) for ``runtime``'s model; bad images raise a 4xx BentoML error.
+
+    ``what`` names the upload in messages (BentoML stores uploads under temporary names the client never saw).
+    """
     try:
         return images.load_image(path.read_bytes(), runtime.metadata, max_pixels)
     except images.ImageError as e:
-        raise IMAGE_ERRORS.get(type(e), InvalidArgument)(f"{path.name}: {e}") from e
+        raise IMAGE_ERRORS.get(type(e), InvalidArgument)(f"{what}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------------- results
@@ -290,7 +293,9 @@ class CapsuleService:
             raise Unprocessable(f"top_k={top_k} but the model has {len(meta.labels)} labels")
 
         def run() -> np.ndarray:
-            pixels = np.stack([decode(path, self.runtime, SETTINGS.max_pixels) for path in images])  # (B, C, H, W)
+            pixels = np.stack(
+                [decode(path, self.runtime, SETTINGS.max_pixels, f"image {i}") for i, path in enumerate(images)]
+            )  # (B, C, H, W)
             step = SETTINGS.max_batch_size
             return np.concatenate(
                 [self._predict(self.runtime, pixels[i : i + step]) for i in range(0, len(pixels), step)]

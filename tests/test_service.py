@@ -192,6 +192,13 @@ def test_raw_body_and_top_k(server):
     assert raw.json() == multipart and len(multipart["predictions"]) == 3
 
 
+def test_a_bad_image_in_a_batch_is_named_by_its_position(server):
+    files = [("images", ("a.png", random_png(1), "image/png")), ("images", ("b.png", b"not an image", "image/png"))]
+    r = server.post("/classify_batch", files=files)
+    assert r.status_code == 400, r.text
+    assert "image 1" in r.text and "tmp" not in r.text  # not BentoML's temporary file name
+
+
 def test_classify_batch_in_order(server):
     datas = [random_png(10 + i) for i in range(5)]
     r = server.post("/classify_batch", files=[("images", (f"{i}.png", d, "image/png")) for i, d in enumerate(datas)])
