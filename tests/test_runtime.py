@@ -367,3 +367,17 @@ def test_tensorrt_engine_matches_eager(model, onnx_file, tmp_path):
     sidecar_path(engine).write_text(dataclasses.replace(sidecar, gpu_name="another GPU").to_json())
     with pytest.raises(RuntimeLoadError, match="built for 'another GPU'"):
         load_runtime(engine, device="cuda")
+
+
+def test_torch_runtime_bf16_autocast_is_close_and_fp32_is_exact(tmp_path):
+    model = tiny_model("cifar10-resnet").cpu()
+    model.save(tmp_path / "m")
+    x = tiny_input(model, 4).cpu().numpy()
+    with torch.no_grad():
+        expected = model(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(load_runtime(tmp_path / "m").predict(x), expected)
+    bf16 = load_runtime(tmp_path / "m", precision="bf16").predict(x)
+    assert bf16.dtype == np.float32 and bf16.shape == expected.shape
+    assert 0 < np.abs(bf16 - expected).max() < 0.1  # autocast really ran, and stays close
+    with pytest.raises(ValueError, match="precision"):
+        load_runtime(tmp_path / "m", precision="int3")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +23,26 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 class TorchRuntime(Runtime):
+    """Eager PyTorch on a model directory.
+
+    Args:
+        path: model directory (``model.safetensors`` + ``config.json``).
+        device: "cpu", "cuda" or "cuda:N".
+        iterations: routing iterations T (default: the config's).
+        precision: "fp32", or "bf16"/"fp16" autocast (bf16 on a CPU with AVX-512 BF16: 2-3× the batch-64
+            throughput of fp32 for cifar10-resnet, same test accuracy; see README "Export and runtimes").
+    """
+
     backend = "torch"
 
-    def __init__(self, path: str | Path, device: str = "cpu", iterations: int | None = None):
+    def __init__(self, path: str | Path, device: str = "cpu", iterations: int | None = None, precision: str = "fp32"):
+        if precision not in AUTOCAST:
+            raise ValueError(f"precision must be one of {', '.join(AUTOCAST)}, got {precision!r}")
+        self.autocast = AUTOCAST[precision]
         try:
             self.device = torch.device(device)
             self.model = capserve.load(path, self.device)
@@ -41,15 +58,22 @@ class TorchRuntime(Runtime):
     def providers(self) -> list[str]:
         return [str(self.device)]
 
+    def _autocast(self) -> torch.autocast | nullcontext:
+        if self.autocast is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
     @torch.inference_mode()
     def _predict(self, batch: np.ndarray) -> np.ndarray:
         x = torch.from_numpy(batch).to(self.device)
-        return self.model(x, iterations=self.iterations).float().cpu().numpy()
+        with self._autocast():
+            return self.model(x, iterations=self.iterations).float().cpu().numpy()
 
     def trace(self, batch: np.ndarray) -> RoutingTrace:
         """Logits, poses and routing coefficients of every layer (eager only)."""
         x = torch.from_numpy(self.check_batch(batch)).to(self.device)
-        return self.model.trace(x, iterations=self.iterations)
+        with self._autocast():
+            return self.model.trace(x, iterations=self.iterations)
 
     def explain(self, batch: np.ndarray) -> Explanation:
         trace = self.trace(batch)
