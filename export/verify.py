@@ -101,9 +101,18 @@ def probabilities(logits: np.ndarray, task: str) -> np.ndarray:
     return z / z.sum(axis=1, keepdims=True)
 
 
+def decisions(logits: np.ndarray, metadata: ModelMetadata) -> np.ndarray:
+    """What a user acts on: the top-1 class (single-label), or every label past its threshold (multi-label)."""
+    if metadata.task != "multi_label":
+        return logits.argmax(1)[:, None]  # (B, 1)
+    thresholds = np.asarray(metadata.thresholds or [0.5] * len(metadata.labels))
+    return probabilities(logits, "multi_label") >= thresholds  # (B, C)
+
+
 def compare(reference: Runtime, artifact: Runtime, images: np.ndarray, batch_sizes: list[int]) -> list[Comparison]:
     """Run the first B images through both runtimes for each B."""
-    task = reference.metadata.task
+    meta = reference.metadata
+    task = meta.task
     rows = []
     for B in batch_sizes:
         x = images[:B]
@@ -113,7 +122,7 @@ def compare(reference: Runtime, artifact: Runtime, images: np.ndarray, batch_siz
         rows.append(Comparison(
             batch=B, max_abs=float(diff.max()), max_rel=float(diff.max() / max(scale, 1e-12)), scale=scale,
             max_abs_prob=float(np.abs(probabilities(out, task) - probabilities(ref, task)).max()),
-            agreement=float((out.argmax(1) == ref.argmax(1)).mean()),
+            agreement=float((decisions(out, meta) == decisions(ref, meta)).all(axis=1).mean()),
         ))  # fmt: skip
     return rows
 
@@ -149,13 +158,14 @@ def run(args: argparse.Namespace) -> int:
         images, source = random_images(meta, count, args.seed), f"random images (seed {args.seed})"
     print(f"{args.artifact}: {meta.name}, T={meta.iterations}, {precision}, {artifact.backend} on "
           f"{', '.join(artifact.providers)}; eager reference {args.against}; {source}{weights_note}")  # fmt: skip
-    print(f"tolerance: max |Δlogit| <= {atol:g} + {rtol:g}·max|logit|, top-1 agreement >= {min_agreement:g}")
-    print(f"{'batch':>5}  {'max|Δlogit|':>11}  {'rel':>9}  {'max|Δprob|':>10}  {'top-1 agree':>11}  result")
+    agree = "labels agree" if meta.task == "multi_label" else "top-1 agree"  # per image, all decisions equal
+    print(f"tolerance: max |Δlogit| <= {atol:g} + {rtol:g}·max|logit|, {agree} >= {min_agreement:g}")
+    print(f"{'batch':>5}  {'max|Δlogit|':>11}  {'rel':>9}  {'max|Δprob|':>10}  {agree:>12}  result")
     failed = False
     for row in compare(reference, artifact, images, sizes):
         ok = row.within(atol, rtol, min_agreement)
         failed |= not ok
         print(f"{row.batch:>5}  {row.max_abs:>11.3e}  {row.max_rel:>9.2e}  {row.max_abs_prob:>10.3e}  "
-              f"{row.agreement:>11.4f}  {'ok' if ok else 'FAIL'}")  # fmt: skip
+              f"{row.agreement:>12.4f}  {'ok' if ok else 'FAIL'}")  # fmt: skip
     print("FAILED: tolerances exceeded" if failed else "passed")
     return 1 if failed else 0

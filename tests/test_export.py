@@ -271,3 +271,17 @@ def test_cli_errors_are_one_line(exports, checkpoint, tmp_path, capsys):
     assert "different model" in capsys.readouterr().err
     assert main(["verify", str(path), "--against", str(checkpoint), "--images", str(tmp_path)]) == 2
     assert "no images" in capsys.readouterr().err
+
+
+def test_verify_judges_multi_label_models_by_their_label_decisions():
+    """Top-1 means nothing for DiverseMultiMNIST: agreement is every label past its threshold, per image."""
+    from capserve.export.verify import decisions
+
+    from capserve.runtime import ModelMetadata
+
+    meta = ModelMetadata(name="m", task="multi_label", labels=("a", "b", "c"), in_channels=1, image_size=8,
+                         mean=(0.0,), std=(1.0,), iterations=2, thresholds=(0.5, 0.9, 0.5))  # fmt: skip
+    logits = np.array([[3.0, 1.0, -3.0], [3.0, 3.0, -3.0]])  # sigmoid(1) = 0.73 < 0.9: "b" is out in row 0
+    np.testing.assert_array_equal(decisions(logits, meta), [[True, False, False], [True, True, False]])
+    single = ModelMetadata(**{**meta.__dict__, "task": "single_label", "thresholds": None})
+    np.testing.assert_array_equal(decisions(logits, single), [[0], [0]])
