@@ -72,8 +72,8 @@ def weights_sha256(model: CapsNet) -> str:
     """SHA-256 of a model's weights (names, dtypes, shapes and bytes, in name order), for in-memory models.
 
     Exports from a model directory record the SHA-256 of its ``model.safetensors`` file instead (what the
-    torch runtime reports); a file's bytes cannot be recomputed from the model, as safetensors writes its
-    metadata map in no fixed order.
+    torch runtime reports, and what ``capserve verify`` compares); ``capserve.checkpoint`` writes the same
+    weights to the same bytes, so that hash is stable across re-saves.
     """
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
