@@ -60,10 +60,9 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 
 def load_images(folder: str | Path, metadata: ModelMetadata, count: int) -> np.ndarray:
-    """``count`` normalised images (count, C, H, W) from a folder, resized to the model's input, cycled if few."""
-    from PIL import Image, UnidentifiedImageError
-
-    from capserve.preprocess import normalize_numpy
+    """``count`` normalised images (count, C, H, W) from a folder, cycled if few, preprocessed exactly as the service
+    and training do (``capserve.images``: decode, orient, convert, centre square, resize, normalise)."""
+    from capserve import images
 
     folder = Path(folder)
     if not folder.is_dir():
@@ -71,19 +70,14 @@ def load_images(folder: str | Path, metadata: ModelMetadata, count: int) -> np.n
     files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise UsageError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {folder}")
-    mode = "RGB" if metadata.in_channels == 3 else "L"
-    size = metadata.image_size
     arrays = []
     for path in files[:count]:
         try:
-            with Image.open(path) as im:
-                im = im.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
-                a = np.asarray(im, dtype=np.uint8)
-        except (UnidentifiedImageError, OSError) as e:
+            arrays.append(images.load_image(path.read_bytes(), metadata))  # (C, H, W) uint8
+        except (images.ImageError, OSError) as e:
             raise UsageError(f"cannot read image {path}: {e}") from e
-        arrays.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))  # (C, H, W)
-    images = np.stack([arrays[i % len(arrays)] for i in range(count)])  # (count, C, H, W)
-    return normalize_numpy(images, metadata.mean, metadata.std)
+    pixels = np.stack([arrays[i % len(arrays)] for i in range(count)])  # (count, C, H, W)
+    return images.normalize_images(pixels, metadata)
 
 
 def random_images(metadata: ModelMetadata, count: int, seed: int) -> np.ndarray:

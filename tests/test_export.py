@@ -15,6 +15,7 @@ updates of the lower layers; T = 1 has no vote tensor at all). Exports are cache
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -199,7 +200,7 @@ def test_export_refuses_bad_options(tmp_path):
         to_onnx_proto(model, 2, opset=16)
     with pytest.raises(ValueError, match="iterations"):
         export_onnx(model, tmp_path / "m.onnx", 0)
-    assert output_paths("out/m.onnx", [3]) == [output_paths("out/m.onnx", [3])[0]]
+    assert output_paths("out/m.onnx", [3]) == [Path("out/m.onnx")]  # one T: the file asked for, no -T3 suffix
     assert [p.name for p in output_paths("out/m.onnx", [1, 3])] == ["m-T1.onnx", "m-T3.onnx"]
     with pytest.raises(ExportError, match="twice"):
         output_paths("m.onnx", [2, 2])
@@ -239,6 +240,34 @@ def test_cli_export_several_iterations_and_verify(checkpoint, tmp_path, capsys):
     assert main(["verify", str(paths[0]), "--against", str(checkpoint), "--images", str(images),
                  "--batch-sizes", "2,7"]) == 0  # fmt: skip
     assert f"images from {images}" in capsys.readouterr().out
+
+
+def test_verify_images_get_the_service_preprocessing(tmp_path):
+    """``capserve verify --images`` must compare runtimes on what production feeds them: the central square of a
+    non-square photo (not the whole photo squashed), EXIF-free mode conversion, the model's mean and std."""
+    from PIL import Image
+
+    from capserve import images
+    from capserve.cli import UsageError
+    from capserve.export.verify import load_images
+
+    meta = ModelMetadata.from_config(capserve.get_config("cifar10-simple"))
+    rng = np.random.default_rng(1)
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(rng.integers(0, 256, (40, 64, 3), dtype=np.uint8)).save(folder / "a-wide.png")
+    Image.fromarray(rng.integers(0, 256, (50, 36), dtype=np.uint8)).save(folder / "b-tall-gray.png")
+    Image.fromarray(rng.integers(0, 256, (48, 48, 4), dtype=np.uint8)).save(folder / "c-rgba.png")
+    files = sorted(folder.iterdir())
+    got = load_images(folder, meta, 5)  # cycled: a, b, c, a, b
+    expected = np.concatenate([images.preprocess(files[i % 3].read_bytes(), meta) for i in range(5)])
+    np.testing.assert_array_equal(got, expected)
+    with Image.open(files[0]) as wide:  # the old way (whole image squashed to 32×32) gives other pixels
+        squashed = np.asarray(wide.resize((32, 32), Image.Resampling.BILINEAR)).transpose(2, 0, 1)
+    assert np.abs(images.normalize_images(squashed[None], meta) - got[:1]).max() > 0.5
+    (folder / "d-broken.png").write_bytes(b"not a png")
+    with pytest.raises(UsageError, match="d-broken.png"):
+        load_images(folder, meta, 4)
 
 
 def test_cli_verify_fails_beyond_tolerance(exports, capsys):

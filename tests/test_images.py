@@ -131,6 +131,20 @@ def test_preprocess_equals_torch_normalize():
     np.testing.assert_array_equal(x, normalize(u8, CIFAR.mean, CIFAR.std).numpy())
 
 
+def test_normalisation_against_literal_numbers():
+    """(x / 255 - mean) / std worked out by hand: the comparison above cannot see a wrong formula shared by both."""
+    pixels = np.array([0, 51, 102, 255], np.uint8).reshape(1, 1, 1, 4)  # x / 255 = 0, 0.2, 0.4, 1
+    expected = np.array([-0.5, 0.0, 0.5, 2.0], np.float32).reshape(1, 1, 1, 4)  # mean 0.2, std 0.4
+    np.testing.assert_allclose(normalize(torch.from_numpy(pixels), (0.2,), (0.4,)).numpy(), expected, atol=1e-6)
+    np.testing.assert_allclose(images.normalize_images(pixels, GRAY), [[[[-2.0, -1.2, -0.4, 2.0]]]], atol=1e-6)
+    # a solid (255, 0, 51) PNG through the whole policy, CIFAR-10's mean (0.4914, 0.4822, 0.4465) and std
+    # (0.2023, 0.1994, 0.201): (1 - 0.4914) / 0.2023, (0 - 0.4822) / 0.1994, (0.2 - 0.4465) / 0.201
+    x = images.preprocess(encode(Image.new("RGB", (40, 40), (255, 0, 51))), CIFAR)
+    assert x.shape == (1, 3, 32, 32)
+    for channel, value in enumerate((2.514088, -2.418255, -1.226368)):
+        np.testing.assert_allclose(x[0, channel], np.full((32, 32), value, np.float32), atol=1e-5)
+
+
 def truncated(fmt: str) -> bytes:
     data = encode(Image.fromarray(rgb(3, (64, 64))), fmt, **({"quality": 95} if fmt == "JPEG" else {}))
     return data[: len(data) // 2]
