@@ -144,8 +144,23 @@ def test_in_memory_export_records_a_weights_digest(tmp_path):
     assert weights_sha256(model) != digest
 
 
-@pytest.mark.parametrize(("name", "T"), [("cifar100-simple", 3), ("multimnist-matrix-small", 2), ("cifar10-resnet", 2)])
-def test_fp16_graph_within_documented_tolerance(exports, name, T):
+# Measured max |Δlogit| and max |Δprobability| of the FP16 graph against eager FP32 here (17 images, seed 3,
+# ONNX Runtime 1.32 CPU), and the bounds the test holds them to: about 3× the measurement, far inside the
+# documented FP16 tolerance (0.02 + 0.1·max |logit| ≈ 0.11–0.17 on these models), so that a conversion that
+# lost precision somewhere (a LayerNorm or Softmax left in FP16, a doubled cast) fails here first.
+#   cifar100-simple T=3: 9.4e-2 / 5.6e-4 — a random tiny model whose class poses are near-constant before their
+#                        LayerNorm, which amplifies any rounding (its FP32 export already moves by 1e-4), so only
+#                        1.6× headroom on the logits, what the documented tolerance allows anyway
+#   multimnist-matrix-small T=2: 3.3e-3 / 4.0e-4;  cifar10-resnet T=2: 1.3e-3 / 1.8e-4
+FP16_MEASURED_BOUNDS = [
+    ("cifar100-simple", 3, 0.15, 1.5e-3),
+    ("multimnist-matrix-small", 2, 1e-2, 1.2e-3),
+    ("cifar10-resnet", 2, 5e-3, 6e-4),
+]
+
+
+@pytest.mark.parametrize(("name", "T", "logit_bound", "prob_bound"), FP16_MEASURED_BOUNDS)
+def test_fp16_graph_within_documented_tolerance(exports, name, T, logit_bound, prob_bound):
     model, path = exports(name, T, fp16=True)
     proto = onnx.load(str(path))
     assert read_metadata(proto)[PRECISION_KEY] == "fp16"
@@ -166,9 +181,9 @@ def test_fp16_graph_within_documented_tolerance(exports, name, T):
         expected = model(x, iterations=T).numpy()
     got = runtime.predict(x.numpy())
     assert got.dtype == np.float32
-    assert np.abs(got - expected).max() <= FP16_ATOL + FP16_RTOL * np.abs(expected).max()
+    assert np.abs(got - expected).max() <= min(logit_bound, FP16_ATOL + FP16_RTOL * np.abs(expected).max())
     probs = [torch.softmax(torch.from_numpy(z), dim=1).numpy() for z in (got, expected)]
-    assert np.abs(probs[0] - probs[1]).max() <= FP16_PROB_ATOL
+    assert np.abs(probs[0] - probs[1]).max() <= min(prob_bound, FP16_PROB_ATOL)
     # top-1 may only differ where eager's top two are closer than the FP16 error
     top2 = np.sort(expected, axis=1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 2 * FP16_ATOL

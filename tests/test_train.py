@@ -16,8 +16,10 @@ from safetensors.torch import load_file
 from test_data import write_mnist
 
 import capserve
+import capserve.data
 from capserve import evaluate as ev
 from capserve.cli import main
+from capserve.preprocess import normalize
 from capserve.train import TrainConfig, lr_factor, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,8 +73,16 @@ def test_training_reduces_loss_and_writes_outputs(cifar, tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and rows[-1]["train_loss"] < 0.7 * rows[0]["train_loss"]
     assert {"val_acc", "val_loss", "lr", "images_per_s"} <= set(rows[0])
-    assert 0 <= summary["test_acc"] <= 1 and summary["best_epoch"] >= 1
     model = capserve.load(out / "best")  # best/ is a plain model folder
+    # the summary's figures are best/'s: its validation accuracy is the best epoch's, its test accuracy is best/
+    # scored once on the test split (recomputed here from the weights), and it learned the colour-coded classes
+    assert summary["best_val_acc"] == max(row["val_acc"] for row in rows)
+    assert rows[summary["best_epoch"] - 1]["val_acc"] == summary["best_val_acc"]
+    test = capserve.data.load_test("cifar10", cifar)
+    with torch.no_grad():
+        predicted = model(normalize(test.images, model.config.mean, model.config.std)).argmax(1)
+    assert summary["test_acc"] == pytest.approx((predicted == test.targets).float().mean().item(), abs=1e-6)
+    assert summary["test_acc"] >= 0.5  # 10 classes (chance 0.1) that differ by colour; measured 0.80 (16/20)
     assert model.config.extra["data"] == {"dataset": "cifar10", "val_size": 12}
     assert (out / "curves.png").stat().st_size > 0
     assert set(os.listdir(out / "last")) == {"model.safetensors", "config.json", "optimizer.safetensors",
@@ -125,13 +135,45 @@ def test_evaluate_and_calibrate(mnist, cifar, tmp_path, capsys):
     assert main(["evaluate", str(best), "--data", str(mnist), "--iterations", "1,2,3", "--calibrate", "--limit", "300",
                  "--out", str(tmp_path / "ev")]) == 0  # fmt: skip
     thresholds = capserve.read_config(best).thresholds
-    assert thresholds is not None and len(thresholds) == 10 and all(0 < t < 1 for t in thresholds)
+    assert thresholds is not None and len(thresholds) == 10
+    model = capserve.load(best)
+    c = model.config
+
+    def logits(split, T=None):
+        with torch.no_grad():
+            return model(normalize(split.images, c.mean, c.std), iterations=T)
+
+    def f1(decided, truth):  # per class, written out here
+        tp, fp, fn = (decided & truth).sum(0), (decided & ~truth).sum(0), (~decided & truth).sum(0)
+        return 2 * tp / (2 * tp + fp + fn).clamp_min(1)
+
+    # each stored threshold is a grid value (0.05 … 0.95) with the best validation F1 of its class
+    val = capserve.data.load_validation("multimnist", mnist, 40)
+    probabilities, truth = torch.sigmoid(logits(val)), val.targets > 0.5
+    grid = [round(0.05 * i, 2) for i in range(1, 20)]
+    assert all(t in grid for t in thresholds)
+    best_f1 = torch.stack([f1(probabilities > t, truth) for t in grid]).max(0).values
+    torch.testing.assert_close(f1(probabilities > torch.tensor(thresholds), truth), best_f1)
+    # the report's figures are the model's on the first 300 test images with those thresholds, per T
     report = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
     assert report["images"] == 300 and set(report["results"]) == {"1", "2", "3"}
+    test = capserve.data.load_test("multimnist", mnist).subset(torch.arange(300))
+    for T in (1, 2, 3):
+        decided, truth = torch.sigmoid(logits(test, T)) > torch.tensor(thresholds), test.targets > 0.5
+        result = report["results"][str(T)]
+        assert result["exact_match"] == pytest.approx((decided == truth).all(1).float().mean().item(), abs=1e-6)
+        assert result["f1"] == pytest.approx(f1(decided, truth).tolist(), abs=1e-6)
     assert "per-class F1" in capsys.readouterr().out
     train(cfg("cifar10-simple", cifar, tmp_path / "c", epochs=1, test=False))
     assert main(["evaluate", str(tmp_path / "c" / "best"), "--data", str(cifar), "--iterations", "1,2"]) == 0
-    assert "confusion matrix" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    model, test = capserve.load(tmp_path / "c" / "best"), capserve.data.load_test("cifar10", cifar)
+    c = model.config
+    for T in (1, 2):  # the printed top-1 per T is the model's on the test split
+        top1 = (logits(test, T).argmax(1) == test.targets).float().mean().item()
+        assert f"{T:>3} {100 * top1:11.2f}%" in out
+    confusion = [[int(v) for v in line.split()[1:]] for line in out.split("columns predicted):\n")[1].splitlines()]
+    assert sum(map(sum, confusion)) == len(test) and len(confusion) == 10  # every test image counted once
 
 
 def test_metrics():
