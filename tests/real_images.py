@@ -29,7 +29,8 @@ def _tiles(name: str, side: int) -> np.ndarray:
     mosaic = np.asarray(Image.open(FIXTURES / name))
     mosaic = mosaic[..., None] if mosaic.ndim == 2 else mosaic  # (rows·side, 20·side, C)
     rows, columns, C = mosaic.shape[0] // side, mosaic.shape[1] // side, mosaic.shape[2]
-    return np.ascontiguousarray(mosaic.reshape(rows, side, columns, side, C).transpose(0, 2, 4, 1, 3).reshape(-1, C, side, side))
+    tiles = mosaic.reshape(rows, side, columns, side, C).transpose(0, 2, 4, 1, 3)  # (rows, columns, C, side, side)
+    return np.ascontiguousarray(tiles.reshape(-1, C, side, side))
 
 
 def cifar10() -> tuple[np.ndarray, np.ndarray]:

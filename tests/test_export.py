@@ -260,11 +260,11 @@ def test_cli_export_several_iterations_and_verify(checkpoint, tmp_path, capsys):
 def test_verify_images_get_the_service_preprocessing(tmp_path):
     """``capserve verify --images`` must compare runtimes on what production feeds them: the central square of a
     non-square photo (not the whole photo squashed), EXIF-free mode conversion, the model's mean and std."""
+    from capserve.export.verify import load_images
     from PIL import Image
 
     from capserve import images
     from capserve.cli import UsageError
-    from capserve.export.verify import load_images
 
     meta = ModelMetadata.from_config(capserve.get_config("cifar10-simple"))
     rng = np.random.default_rng(1)

@@ -34,8 +34,9 @@ def reference_children(layer, u: torch.Tensor) -> torch.Tensor:
         return u.reshape(B, 1, -1, D)
     k, s = layer.kernel_size, layer.stride
     side = (u.shape[1] - k) // s + 1
+    types = range(u.shape[3])
     windows = [
-        torch.stack([u[:, h * s + dy, w * s + dx, i] for dy in range(k) for dx in range(k) for i in range(u.shape[3])], 1)
+        torch.stack([u[:, h * s + dy, w * s + dx, i] for dy in range(k) for dx in range(k) for i in types], dim=1)
         for h in range(side)
         for w in range(side)
     ]  # P entries of (B, N, D), positions row-major

@@ -144,7 +144,7 @@ def test_explain_through_torch_is_the_routing_trace(torch_server, eager):
     assert body["prediction"]["index"] == c
     parse = trace.part_whole()[0, c].numpy()  # (H, W, I)
     expected = np.argsort(-parse.reshape(-1), kind="stable")[:6]
-    H, W, I = parse.shape
+    _, W, I = parse.shape
     got = [(cap["row"] * W + cap["col"]) * I + cap["type"] for cap in body["capsules"]]
     assert got == expected.tolist()
     np.testing.assert_allclose([cap["strength"] for cap in body["capsules"]], parse.reshape(-1)[expected], atol=1e-5)
@@ -185,8 +185,11 @@ def test_no_multilabel_model_answers_501(torch_server):
         assert r.json()["error"]
 
 
-@pytest.mark.xfail(strict=True, reason="BentoML 1.4 replaces the message of every 5xx answer (501, 503) with 'An "
-                   "unexpected error has occurred': service.py's how-to-fix texts never reach the client")
+@pytest.mark.xfail(
+    strict=True,
+    reason="BentoML 1.4 replaces the message of every 5xx answer (501, 503) with 'An "
+    "unexpected error has occurred': service.py's how-to-fix texts never reach the client",
+)
 def test_501_says_how_to_fix(torch_server):
     for r in no_multilabel_requests(torch_server):
         assert "CAPSERVE_MULTILABEL_MODEL" in r.text
@@ -195,8 +198,8 @@ def test_501_says_how_to_fix(torch_server):
 def test_classify_batch_with_batching_off_runs_every_image(torch_server, eager):
     pixels = real_images.cifar10()[0][:5]  # 5 images against a largest batch of 1
     datas = [real_images.png(p) for p in pixels]
-    r = torch_server.post("/classify_batch", files=[("images", (f"{i}.png", d, "image/png")) for i, d in enumerate(datas)],
-                          data={"top_k": "10"})  # fmt: skip
+    files = [("images", (f"{i}.png", d, "image/png")) for i, d in enumerate(datas)]
+    r = torch_server.post("/classify_batch", files=files, data={"top_k": "10"})
     assert r.status_code == 200, r.text
     assert len(r.json()) == 5
     for body, data in zip(r.json(), datas, strict=True):
