@@ -105,7 +105,7 @@ def double_model(name: str, routing: str):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("T", [1, 2, 3, 4])
+@pytest.mark.parametrize("T", [1, 3])
 def test_sequential_routing_runs_exactly_T_iterations_per_layer(name, T):
     model, x = double_model(name, "sequential")
     with torch.no_grad():
@@ -118,23 +118,15 @@ def test_sequential_routing_runs_exactly_T_iterations_per_layer(name, T):
 
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("T", [1, 2, 3, 5])
-def test_concurrent_routing_equals_the_full_schedule(name, T):
-    model, x = double_model(name, "concurrent")
-    with torch.no_grad():
-        history = concurrent_history(model, x, T)
-        torch.testing.assert_close(model(x, iterations=T), logits_of(model, history[-1][0]))
-
-
-@pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("T", [2, 3, 5])
-def test_trace_reports_the_updates_that_reach_the_logits(name, T):
-    """Concurrent routing: layer i (0-based, of L) last reaches the logits at iteration T - (L-1-i), and what
-    ``trace()`` reports for it (poses, coefficients, and so ``part_whole``) must come from that iteration, not
-    from a later update that nothing reads."""
+def test_concurrent_routing_and_its_trace_equal_the_full_schedule(name, T):
+    """Concurrent routing: the logits are the full schedule's (skipping the updates nothing reads changes none);
+    layer i (0-based, of L) last reaches the logits at iteration T - (L-1-i), and what ``trace()`` reports for it
+    (poses, coefficients, and so ``part_whole``) must come from that iteration, not from a later dead update."""
     model, x = double_model(name, "concurrent")
     L = len(model.capsules)
     with torch.no_grad():
         history = concurrent_history(model, x, T)
+        torch.testing.assert_close(model(x, iterations=T), logits_of(model, history[-1][0]))
     trace = model.trace(x, iterations=T)
     torch.testing.assert_close(trace.logits, logits_of(model, history[-1][0]))
     dead_updates_differ = False
@@ -144,7 +136,7 @@ def test_trace_reports_the_updates_that_reach_the_logits(name, T):
         torch.testing.assert_close(trace.poses[i + 1], poses[i + 1], msg=f"layer {i} poses, T={T}")
         torch.testing.assert_close(trace.coefficients[i], coefficients[i], msg=f"layer {i} coefficients, T={T}")
         dead_updates_differ |= t < T and not torch.allclose(history[-1][1][i], coefficients[i], atol=1e-6)
-    assert dead_updates_differ or T < 2, "the test should see dead updates that differ from the reported ones"
+    assert dead_updates_differ or T == 1, "the test should see dead updates that differ from the reported ones"
     torch.testing.assert_close(trace.part_whole(), expected_part_whole(trace.poses, history, T))
 
 
