@@ -32,7 +32,7 @@ import real_images
 import torch
 from PIL import Image
 from test_images import png_header_only
-from test_service import start_server, stop, wait_ready
+from test_service import start_server, stop, upload, wait_ready
 
 import capserve
 from capserve import images
@@ -49,10 +49,6 @@ SERVED_T = 3  # CAPSERVE_ITERATIONS of the torch server; the shipped cifar10 mod
 def softmax(z: np.ndarray) -> np.ndarray:
     e = np.exp(z - z.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
-
-
-def upload(data: bytes, field: str = "image", content_type: str = "image/png") -> dict:
-    return {"files": {field: ("upload.png", data, content_type)}}
 
 
 def probabilities_of(body: dict, classes: int = 10) -> np.ndarray:
