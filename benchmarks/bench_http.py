@@ -1,12 +1,15 @@
 """HTTP serving benchmark: a bounded load generator on loopback against `bentoml serve service:CapsuleService`.
 
-Prints, in one run: raw runtime throughput at batch sizes 1, 8 and 32 (no HTTP), then for adaptive batching on and
-off, throughput and p50/p95/p99 latency of POST /classify at concurrency 1, 8 and 32 (a fixed number of requests
-each), and the server's resident memory over a long run. The load generator shares the machine's cores with the
-server: on a small machine its own CPU time is part of what is measured.
+Prints, in one run, for each served configuration (backend and precision, e.g. onnxruntime:fp32, torch:bf16):
+the raw runtime's throughput (no HTTP) at batch sizes 1, 8 and 32 and of explanations at batch 1, then, with
+adaptive batching on and/or off, throughput and p50/p95/p99 latency over HTTP of POST /classify at concurrency 1,
+8 and 32, /explain and /multilabel at concurrency 1 and 8, and /classify_batch (32 images per request), each beside
+the raw figure it corresponds to; and the server's resident memory over a long run. The load generator shares the
+machine's cores with the server: on a small machine its own CPU time is part of what is measured.
 
     python benchmarks/bench_http.py                       # random-weight cifar10-resnet unless models/cifar10 exists
     python benchmarks/bench_http.py --model models/cifar10 --requests 500 --rss-requests 10000
+    python benchmarks/bench_http.py --configs onnxruntime:fp32 torch:bf16 torch:fp32 --batching on --rss-requests 0
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -32,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from capserve import images  # noqa: E402
-from capserve.runtime import load_runtime  # noqa: E402
+from capserve.runtime import Runtime, load_runtime  # noqa: E402
 
 
 def random_model(directory: Path) -> Path:
@@ -46,6 +50,7 @@ def random_model(directory: Path) -> Path:
     model = capserve.create_model("cifar10-resnet").eval()
     model.save(directory)
     export_onnx(model, directory / "model.onnx")
+    export_onnx(model, directory / "model-explain.onnx", explain=True)
     return directory
 
 
@@ -59,21 +64,40 @@ def pngs(count: int, size: int) -> list[bytes]:
     return out
 
 
-def raw_throughput(model: Path, batch_sizes: list[int], seconds: float) -> dict[int, float]:
-    """Images per second of runtime.predict alone, median of repeated timed runs per batch size."""
-    runtime = load_runtime(model / "model.onnx", "onnxruntime", "cpu")
+def open_runtime(model: Path, config: str, explain: bool = False) -> Runtime:
+    """The runtime a server with ``config`` ("backend:precision") uses for predictions (or for /explain)."""
+    backend, precision = config.split(":")
+    if backend == "torch":
+        return load_runtime(model, "torch", "cpu", precision=precision)
+    return load_runtime(model / ("model-explain.onnx" if explain else "model.onnx"), backend, "cpu")
+
+
+def timed(fn: Callable[[], object], seconds: float) -> float:
+    """Median seconds of repeated calls of ``fn`` (after one untimed call), for ``seconds`` and at least 3 calls."""
+    fn()
+    times = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 3:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def raw_throughput(model: Path, config: str, batch_sizes: list[int], seconds: float,
+                   explain: bool = True) -> dict[str, float]:  # fmt: skip
+    """Images per second of the runtime alone: "predict@B" per batch size, and "explain@1" when ``explain``."""
+    runtime = open_runtime(model, config)
     meta = runtime.metadata
     result = {}
     for B in batch_sizes:
         x = images.normalize_images(np.random.default_rng(B).integers(0, 256, (B, *meta.input_shape), np.uint8), meta)
-        runtime.predict(x)
-        times = []
-        deadline = time.perf_counter() + seconds
-        while time.perf_counter() < deadline or len(times) < 3:
-            t = time.perf_counter()
-            runtime.predict(x)
-            times.append(time.perf_counter() - t)
-        result[B] = B / float(np.median(times))
+        result[f"predict@{B}"] = B / timed(lambda x=x: runtime.predict(x), seconds)
+    if not explain:
+        return result
+    explainer = open_runtime(model, config, explain=True) if (model / "model-explain.onnx").is_file() else runtime
+    x = images.normalize_images(np.zeros((1, *meta.input_shape), np.uint8), meta)
+    result["explain@1"] = 1 / timed(lambda: explainer.explain(x), seconds)
     return result
 
 
@@ -84,12 +108,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: Path, tmp: Path, **env: str):
+    def __init__(self, model: Path, multilabel: Path | None, tmp: Path, **env: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"server-{self.port}.log"
         environ = {**os.environ, "BENTOML_HOME": str(tmp / "bentoml"), "BENTOML_DO_NOT_TRACK": "True",
-                   "CAPSERVE_MODEL": str(model), "CAPSERVE_MULTILABEL_MODEL": "none", **env}  # fmt: skip
+                   "CAPSERVE_MODEL": str(model), "CAPSERVE_MULTILABEL_MODEL": str(multilabel or "none"),
+                   **env}  # fmt: skip
         bentoml = str(Path(sys.executable).with_name("bentoml"))
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen([bentoml, "serve", "service:CapsuleService", "--host", "127.0.0.1",
@@ -122,8 +147,13 @@ class Server:
             self.proc.wait()
 
 
-async def load(url: str, bodies: list[bytes], requests: int, concurrency: int) -> tuple[float, np.ndarray, dict]:
-    """``requests`` POST /classify, at most ``concurrency`` in flight: (seconds, latencies in ms, errors)."""
+async def load(url: str, bodies: list[bytes], requests: int, concurrency: int, endpoint: str = "/classify?top_k=1",
+               batch: int = 1) -> tuple[float, np.ndarray, dict]:  # fmt: skip
+    """``requests`` POSTs to ``endpoint``, at most ``concurrency`` in flight: (seconds, latencies in ms, errors).
+
+    ``batch`` > 1: each request is multipart with ``batch`` images in the field ``images`` (/classify_batch);
+    otherwise one raw PNG body.
+    """
     latencies: list[float] = []
     errors: dict[str, int] = {}
     next_index = 0
@@ -137,8 +167,13 @@ async def load(url: str, bodies: list[bytes], requests: int, concurrency: int) -
                 next_index += 1
                 t = time.perf_counter()
                 try:
-                    r = await client.post("/classify?top_k=1", content=bodies[i % len(bodies)],
-                                          headers={"content-type": "image/png"})  # fmt: skip
+                    if batch > 1:
+                        files = [("images", (f"{k}.png", bodies[(i + k) % len(bodies)], "image/png"))
+                                 for k in range(batch)]  # fmt: skip
+                        r = await client.post(endpoint, files=files)
+                    else:
+                        r = await client.post(endpoint, content=bodies[i % len(bodies)],
+                                              headers={"content-type": "image/png"})  # fmt: skip
                     status = str(r.status_code)
                 except httpx.HTTPError as e:
                     status = type(e).__name__
@@ -151,14 +186,34 @@ async def load(url: str, bodies: list[bytes], requests: int, concurrency: int) -
         return time.perf_counter() - start, np.array(latencies), errors
 
 
+def row(config: str, endpoint: str, batching: bool, c: int, result: tuple[float, np.ndarray, dict], images_per: int,
+        raw: float) -> None:  # fmt: skip
+    seconds, lat, errors = result
+    ips = len(lat) * images_per / seconds
+    print(f"  {config:16s} {endpoint:16s} {'on' if batching else 'off':8s} {c:4d} {ips:8.1f} "
+          f"{np.percentile(lat, 50):8.1f} {np.percentile(lat, 95):8.1f} {np.percentile(lat, 99):8.1f} "
+          f"{sum(errors.values()):6d} {ips / raw:8.0%} {errors or ''}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=ROOT / "models" / "cifar10", help="model directory with model.onnx")
+    p.add_argument("--multilabel-model", type=Path, default=ROOT / "models" / "multimnist",
+                   help="multi-label model directory for /multilabel ('none' or missing: skip)")  # fmt: skip
+    p.add_argument("--configs", nargs="+", default=["onnxruntime:fp32", "torch:bf16"],
+                   help="served backend:precision pairs (default %(default)s)")  # fmt: skip
+    p.add_argument("--batching", nargs="+", choices=["on", "off"], default=["on", "off"])
     p.add_argument("--requests", type=int, default=300, help="requests per concurrency level")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--batch-images", type=int, default=32, help="images per /classify_batch request (0: skip)")
     p.add_argument("--rss-requests", type=int, default=3000, help="requests of the memory run (concurrency 32)")
     p.add_argument("--max-latency-ms", type=int, default=10_000, help="adaptive batching latency budget (503 above)")
     args = p.parse_args()
+    for config in args.configs:
+        backend, _, precision = config.partition(":")
+        if backend not in ("onnxruntime", "torch") or precision not in ("fp32", "bf16") or (
+            backend == "onnxruntime" and precision != "fp32"):  # fmt: skip
+            p.error(f"--configs {config}: use onnxruntime:fp32, torch:fp32 or torch:bf16")
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -166,46 +221,69 @@ def main() -> None:
         if not (model / "model.onnx").is_file():
             print(f"{model}/model.onnx not found: benchmarking a random-weight cifar10-resnet", flush=True)
             model = random_model(tmp / "cifar10")
+        multilabel = args.multilabel_model if (args.multilabel_model / "config.json").is_file() else None
         meta = load_runtime(model / "model.onnx").metadata
         bodies = pngs(64, meta.image_size)
-        print(f"model {meta.name}, T={meta.iterations}, input {meta.input_shape}, {os.cpu_count()} CPUs, "
-              f"{args.requests} requests per level", flush=True)  # fmt: skip
+        ml_bodies = pngs(64, load_runtime(multilabel).metadata.image_size) if multilabel else []
+        print(f"model {meta.name}, T={meta.iterations}, input {meta.input_shape}, multi-label {multilabel}, "
+              f"{os.cpu_count()} CPUs, {args.requests} requests per level", flush=True)  # fmt: skip
 
-        raw = raw_throughput(model, sorted({1, *args.concurrency}), seconds=3.0)
-        print("\nraw runtime (onnxruntime CPU, no HTTP)")
-        for B, ips in raw.items():
-            print(f"  batch {B:3d}: {ips:8.1f} images/s")
+        sizes = sorted({1, 8, *args.concurrency, *([args.batch_images] if args.batch_images else [])})
+        raw = {config: raw_throughput(model, config, sizes, seconds=3.0) for config in args.configs}
+        ml_raw = {}
+        if multilabel:
+            ml_raw = {config: raw_throughput(multilabel, config, [1, 8], 2.0, explain=False) for config in args.configs}
+        print("\nraw runtime (CPU, no HTTP), images/s")
+        for config, figures in raw.items():
+            ml = ", ".join(f"multi-label {k} {v:.1f}" for k, v in ml_raw.get(config, {}).items())
+            line = ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
+            print(f"  {config:16s} {line}" + (f"; {ml}" if ml else ""))
 
-        print("\nHTTP POST /classify (raw PNG body)")
-        print(f"  {'batching':10s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} "
-              f"{'errors':>6s} {'vs raw@B':>8s}")  # fmt: skip
-        for batching in (True, False):
-            env = {"CAPSERVE_MAX_BATCH_SIZE": str(max(args.concurrency)) if batching else "1",
-                   "CAPSERVE_MAX_LATENCY_MS": str(args.max_latency_ms)}  # fmt: skip
-            server = Server(model, tmp, **env)
-            try:
-                asyncio.run(load(server.url, bodies, 50, 8))  # warm-up
-                for c in args.concurrency:
-                    seconds, lat, errors = asyncio.run(load(server.url, bodies, args.requests, c))
-                    rps = args.requests / seconds
-                    print(f"  {'on' if batching else 'off':10s} {c:4d} {rps:8.1f} {np.percentile(lat, 50):8.1f} "
-                          f"{np.percentile(lat, 95):8.1f} {np.percentile(lat, 99):8.1f} {sum(errors.values()):6d} "
-                          f"{rps / raw[c]:8.0%} {errors or ''}", flush=True)  # fmt: skip
-                if batching and args.rss_requests:
-                    rss = [server.rss_mib()]
-                    step = max(args.rss_requests // 10, 1)
-                    total_errors: dict[str, int] = {}
-                    for _ in range(0, args.rss_requests, step):
-                        _, _, errors = asyncio.run(load(server.url, bodies, step, 32))
-                        for k, v in errors.items():
-                            total_errors[k] = total_errors.get(k, 0) + v
-                        rss.append(server.rss_mib())
-                    print(f"\nresident memory over {args.rss_requests} requests (batching on, concurrency 32): "
-                          f"start {rss[0]:.0f} MiB, end {rss[-1]:.0f} MiB, max {max(rss):.0f} MiB, "
-                          f"drift {rss[-1] / rss[0] - 1:+.1%}, errors {total_errors or 0}")  # fmt: skip
-                    print("  per step: " + " ".join(f"{r:.0f}" for r in rss), flush=True)
-            finally:
-                server.stop()
+        print(
+            "\nHTTP (raw PNG bodies; /classify_batch: multipart), images/s; vs raw: the raw runtime at the batch the "
+            "concurrency allows (classify_batch: at its images per request; explain: at batch 1)"
+        )
+        print(f"  {'config':16s} {'endpoint':16s} {'batching':8s} {'conc':>4s} {'img/s':>8s} {'p50 ms':>8s} "
+              f"{'p95 ms':>8s} {'p99 ms':>8s} {'errors':>6s} {'vs raw':>8s}")  # fmt: skip
+        for config in args.configs:
+            backend, precision = config.split(":")
+            for batching in (b == "on" for b in args.batching):
+                env = {"CAPSERVE_BACKEND": backend, "CAPSERVE_PRECISION": precision,
+                       "CAPSERVE_MAX_BATCH_SIZE": str(max(args.concurrency)) if batching else "1",
+                       "CAPSERVE_MAX_LATENCY_MS": str(args.max_latency_ms)}  # fmt: skip
+                server = Server(model, multilabel, tmp, **env)
+                try:
+                    asyncio.run(load(server.url, bodies, 50, 8))  # warm-up
+                    for c in args.concurrency:
+                        result = asyncio.run(load(server.url, bodies, args.requests, c))
+                        row(config, "/classify", batching, c, result, 1, raw[config][f"predict@{c}"])
+                    for c in (1, 8):
+                        result = asyncio.run(load(server.url, bodies, max(args.requests // 4, 20), c, "/explain"))
+                        row(config, "/explain", batching, c, result, 1, raw[config]["explain@1"])
+                    if multilabel:
+                        for c in (1, 8):
+                            result = asyncio.run(load(server.url, ml_bodies, args.requests, c, "/multilabel"))
+                            row(config, "/multilabel", batching, c, result, 1, ml_raw[config][f"predict@{c}"])
+                    if args.batch_images and batching:  # /classify_batch does not use adaptive batching
+                        B = args.batch_images
+                        result = asyncio.run(load(server.url, bodies, max(args.requests // B, 5), 1,
+                                                  "/classify_batch?top_k=1", batch=B))  # fmt: skip
+                        row(config, f"/classify_batch{B}", batching, 1, result, B, raw[config][f"predict@{B}"])
+                    if batching and args.rss_requests:
+                        rss = [server.rss_mib()]
+                        step = max(args.rss_requests // 10, 1)
+                        total_errors: dict[str, int] = {}
+                        for _ in range(0, args.rss_requests, step):
+                            _, _, errors = asyncio.run(load(server.url, bodies, step, 32))
+                            for k, v in errors.items():
+                                total_errors[k] = total_errors.get(k, 0) + v
+                            rss.append(server.rss_mib())
+                        print(f"\n  {config}: resident memory over {args.rss_requests} requests (batching on, "
+                              f"concurrency 32): start {rss[0]:.0f} MiB, end {rss[-1]:.0f} MiB, max {max(rss):.0f} "
+                              f"MiB, drift {rss[-1] / rss[0] - 1:+.1%}, errors {total_errors or 0}")  # fmt: skip
+                        print("  per step: " + " ".join(f"{r:.0f}" for r in rss) + "\n", flush=True)
+                finally:
+                    server.stop()
 
 
 if __name__ == "__main__":
