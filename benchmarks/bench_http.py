@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -72,32 +73,40 @@ def open_runtime(model: Path, config: str, explain: bool = False) -> Runtime:
     return load_runtime(model / ("model-explain.onnx" if explain else "model.onnx"), backend, "cpu")
 
 
-def timed(fn: Callable[[], object], seconds: float) -> float:
-    """Median seconds of repeated calls of ``fn`` (after one untimed call), for ``seconds`` and at least 3 calls."""
-    fn()
-    times = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times) < 3:
-        t = time.perf_counter()
+def interleaved(calls: dict[str, Callable[[], object]], seconds: float) -> dict[str, float]:
+    """Median seconds per call of each of ``calls``, timed in turn (A, B, A, B, ...) for ``seconds`` in all and at
+    least 5 rounds, after one untimed call each: every variant sees the same background load."""
+    for fn in calls.values():
         fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(next(iter(times.values()))) < 5:
+        for name, fn in calls.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def raw_throughput(model: Path, config: str, batch_sizes: list[int], seconds: float,
-                   explain: bool = True) -> dict[str, float]:  # fmt: skip
-    """Images per second of the runtime alone: "predict@B" per batch size, and "explain@1" when ``explain``."""
-    runtime = open_runtime(model, config)
-    meta = runtime.metadata
-    result = {}
+def raw_throughput(model: Path, configs: list[str], batch_sizes: list[int], seconds: float,
+                   explain: bool = True) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Images per second of each configuration's runtime alone, interleaved: config → {"predict@B": ..., and
+    "explain@1" when ``explain``}."""
+    runtimes = {config: open_runtime(model, config) for config in configs}
+    meta = next(iter(runtimes.values())).metadata
+    result: dict[str, dict[str, float]] = {config: {} for config in configs}
     for B in batch_sizes:
         x = images.normalize_images(np.random.default_rng(B).integers(0, 256, (B, *meta.input_shape), np.uint8), meta)
-        result[f"predict@{B}"] = B / timed(lambda x=x: runtime.predict(x), seconds)
-    if not explain:
-        return result
-    explainer = open_runtime(model, config, explain=True) if (model / "model-explain.onnx").is_file() else runtime
-    x = images.normalize_images(np.zeros((1, *meta.input_shape), np.uint8), meta)
-    result["explain@1"] = 1 / timed(lambda: explainer.explain(x), seconds)
+        medians = interleaved({c: (lambda r=r, x=x: r.predict(x)) for c, r in runtimes.items()}, seconds)
+        for config, median in medians.items():
+            result[config][f"predict@{B}"] = B / median
+    if explain:
+        has_graph = (model / "model-explain.onnx").is_file()
+        explainers = {c: open_runtime(model, c, explain=True) if has_graph else r for c, r in runtimes.items()}
+        x = images.normalize_images(np.zeros((1, *meta.input_shape), np.uint8), meta)
+        medians = interleaved({c: (lambda r=r: r.explain(x)) for c, r in explainers.items()}, seconds)
+        for config, median in medians.items():
+            result[config]["explain@1"] = 1 / median
     return result
 
 
@@ -186,13 +195,30 @@ async def load(url: str, bodies: list[bytes], requests: int, concurrency: int, e
         return time.perf_counter() - start, np.array(latencies), errors
 
 
-def row(config: str, endpoint: str, batching: bool, c: int, result: tuple[float, np.ndarray, dict], images_per: int,
-        raw: float) -> None:  # fmt: skip
+def measure(servers: dict[str, Server], rounds: int, requests: int, *args: Any, **kwargs: Any) -> dict[str, tuple]:
+    """``load`` against every server in turn, ``rounds`` times (``requests`` in all per server): each server sees
+    the same background load. Server name → (seconds, latencies in ms, errors)."""
+    totals: dict[str, list] = {name: [0.0, [], {}] for name in servers}
+    for _ in range(rounds):
+        for name, server in servers.items():
+            seconds, latencies, errors = asyncio.run(load(server.url, *args[:1], max(requests // rounds, 1),
+                                                          *args[1:], **kwargs))  # fmt: skip
+            total = totals[name]
+            total[0] += seconds
+            total[1].extend(latencies)
+            for k, v in errors.items():
+                total[2][k] = total[2].get(k, 0) + v
+    return {name: (seconds, np.array(latencies), errors) for name, (seconds, latencies, errors) in totals.items()}
+
+
+def row(name: str, endpoint: str, c: int, result: tuple[float, np.ndarray, dict], images_per: int, raw: float) -> None:
     seconds, lat, errors = result
     ips = len(lat) * images_per / seconds
-    print(f"  {config:16s} {endpoint:16s} {'on' if batching else 'off':8s} {c:4d} {ips:8.1f} "
-          f"{np.percentile(lat, 50):8.1f} {np.percentile(lat, 95):8.1f} {np.percentile(lat, 99):8.1f} "
-          f"{sum(errors.values()):6d} {ips / raw:8.0%} {errors or ''}", flush=True)  # fmt: skip
+    print(
+        f"  {name:26s} {endpoint:18s} {c:4d} {ips:8.1f} {np.percentile(lat, 50):8.1f} {np.percentile(lat, 95):8.1f} "
+        f"{np.percentile(lat, 99):8.1f} {sum(errors.values()):6d} {ips / raw:8.0%} {errors or ''}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -203,7 +229,8 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["onnxruntime:fp32", "torch:bf16"],
                    help="served backend:precision pairs (default %(default)s)")  # fmt: skip
     p.add_argument("--batching", nargs="+", choices=["on", "off"], default=["on", "off"])
-    p.add_argument("--requests", type=int, default=300, help="requests per concurrency level")
+    p.add_argument("--requests", type=int, default=300, help="requests per concurrency level and server")
+    p.add_argument("--rounds", type=int, default=5, help="turns each server takes per measurement (interleaving)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--batch-images", type=int, default=32, help="images per /classify_batch request (0: skip)")
     p.add_argument("--rss-requests", type=int, default=3000, help="requests of the memory run (concurrency 32)")
@@ -221,69 +248,77 @@ def main() -> None:
         if not (model / "model.onnx").is_file():
             print(f"{model}/model.onnx not found: benchmarking a random-weight cifar10-resnet", flush=True)
             model = random_model(tmp / "cifar10")
-        multilabel = args.multilabel_model if (args.multilabel_model / "config.json").is_file() else None
+        multilabel = args.multilabel_model if (args.multilabel_model / "model.onnx").is_file() else None
         meta = load_runtime(model / "model.onnx").metadata
         bodies = pngs(64, meta.image_size)
         ml_bodies = pngs(64, load_runtime(multilabel).metadata.image_size) if multilabel else []
         print(f"model {meta.name}, T={meta.iterations}, input {meta.input_shape}, multi-label {multilabel}, "
-              f"{os.cpu_count()} CPUs, {args.requests} requests per level", flush=True)  # fmt: skip
+              f"{os.cpu_count()} CPUs, {args.requests} requests per level and server in {args.rounds} interleaved "
+              "rounds", flush=True)  # fmt: skip
 
         sizes = sorted({1, 8, *args.concurrency, *([args.batch_images] if args.batch_images else [])})
-        raw = {config: raw_throughput(model, config, sizes, seconds=3.0) for config in args.configs}
-        ml_raw = {}
-        if multilabel:
-            ml_raw = {config: raw_throughput(multilabel, config, [1, 8], 2.0, explain=False) for config in args.configs}
-        print("\nraw runtime (CPU, no HTTP), images/s")
+        raw = raw_throughput(model, args.configs, sizes, seconds=4.0 * len(args.configs))
+        ml_raw = raw_throughput(multilabel, args.configs, [1, 8], 2.0, explain=False) if multilabel else {}
+        print("\nraw runtime (CPU, no HTTP, variants interleaved), images/s")
         for config, figures in raw.items():
             ml = ", ".join(f"multi-label {k} {v:.1f}" for k, v in ml_raw.get(config, {}).items())
             line = ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
             print(f"  {config:16s} {line}" + (f"; {ml}" if ml else ""))
 
-        print(
-            "\nHTTP (raw PNG bodies; /classify_batch: multipart), images/s; vs raw: the raw runtime at the batch the "
-            "concurrency allows (classify_batch: at its images per request; explain: at batch 1)"
-        )
-        print(f"  {'config':16s} {'endpoint':16s} {'batching':8s} {'conc':>4s} {'img/s':>8s} {'p50 ms':>8s} "
-              f"{'p95 ms':>8s} {'p99 ms':>8s} {'errors':>6s} {'vs raw':>8s}")  # fmt: skip
-        for config in args.configs:
-            backend, precision = config.split(":")
-            for batching in (b == "on" for b in args.batching):
-                env = {"CAPSERVE_BACKEND": backend, "CAPSERVE_PRECISION": precision,
-                       "CAPSERVE_MAX_BATCH_SIZE": str(max(args.concurrency)) if batching else "1",
-                       "CAPSERVE_MAX_LATENCY_MS": str(args.max_latency_ms)}  # fmt: skip
-                server = Server(model, multilabel, tmp, **env)
-                try:
-                    asyncio.run(load(server.url, bodies, 50, 8))  # warm-up
-                    for c in args.concurrency:
-                        result = asyncio.run(load(server.url, bodies, args.requests, c))
-                        row(config, "/classify", batching, c, result, 1, raw[config][f"predict@{c}"])
-                    for c in (1, 8):
-                        result = asyncio.run(load(server.url, bodies, max(args.requests // 4, 20), c, "/explain"))
-                        row(config, "/explain", batching, c, result, 1, raw[config]["explain@1"])
-                    if multilabel:
-                        for c in (1, 8):
-                            result = asyncio.run(load(server.url, ml_bodies, args.requests, c, "/multilabel"))
-                            row(config, "/multilabel", batching, c, result, 1, ml_raw[config][f"predict@{c}"])
-                    if args.batch_images and batching:  # /classify_batch does not use adaptive batching
-                        B = args.batch_images
-                        result = asyncio.run(load(server.url, bodies, max(args.requests // B, 5), 1,
-                                                  "/classify_batch?top_k=1", batch=B))  # fmt: skip
-                        row(config, f"/classify_batch{B}", batching, 1, result, B, raw[config][f"predict@{B}"])
-                    if batching and args.rss_requests:
-                        rss = [server.rss_mib()]
-                        step = max(args.rss_requests // 10, 1)
-                        total_errors: dict[str, int] = {}
-                        for _ in range(0, args.rss_requests, step):
-                            _, _, errors = asyncio.run(load(server.url, bodies, step, 32))
-                            for k, v in errors.items():
-                                total_errors[k] = total_errors.get(k, 0) + v
-                            rss.append(server.rss_mib())
-                        print(f"\n  {config}: resident memory over {args.rss_requests} requests (batching on, "
-                              f"concurrency 32): start {rss[0]:.0f} MiB, end {rss[-1]:.0f} MiB, max {max(rss):.0f} "
-                              f"MiB, drift {rss[-1] / rss[0] - 1:+.1%}, errors {total_errors or 0}")  # fmt: skip
-                        print("  per step: " + " ".join(f"{r:.0f}" for r in rss) + "\n", flush=True)
-                finally:
-                    server.stop()
+        servers: dict[str, Server] = {}
+        try:
+            for config in args.configs:
+                backend, precision = config.split(":")
+                for batching in args.batching:
+                    env = {"CAPSERVE_BACKEND": backend, "CAPSERVE_PRECISION": precision,
+                           "CAPSERVE_MAX_BATCH_SIZE": str(max(args.concurrency)) if batching == "on" else "1",
+                           "CAPSERVE_MAX_LATENCY_MS": str(args.max_latency_ms)}  # fmt: skip
+                    servers[f"{config} batching {batching}"] = Server(model, multilabel, tmp, **env)
+            for server in servers.values():
+                asyncio.run(load(server.url, bodies, 50, 8))  # warm-up
+
+            print(
+                "\nHTTP (raw PNG bodies; /classify_batch: multipart), images/s, servers interleaved; vs raw: the raw "
+                "runtime at the batch the concurrency allows (classify_batch: its images per request; explain: 1)"
+            )
+            print(f"  {'server':26s} {'endpoint':18s} {'conc':>4s} {'img/s':>8s} {'p50 ms':>8s} {'p95 ms':>8s} "
+                  f"{'p99 ms':>8s} {'errors':>6s} {'vs raw':>8s}")  # fmt: skip
+            raw_of = {name: name.split()[0] for name in servers}
+            for c in args.concurrency:
+                for name, result in measure(servers, args.rounds, args.requests, bodies, c).items():
+                    row(name, "/classify", c, result, 1, raw[raw_of[name]][f"predict@{c}"])
+            for c in (1, 8):
+                for name, result in measure(servers, args.rounds, args.requests // 4, bodies, c, "/explain").items():
+                    row(name, "/explain", c, result, 1, raw[raw_of[name]]["explain@1"])
+            if multilabel:
+                for c in (1, 8):
+                    for name, result in measure(servers, args.rounds, args.requests, ml_bodies, c,
+                                                "/multilabel").items():  # fmt: skip
+                        row(name, "/multilabel", c, result, 1, ml_raw[raw_of[name]][f"predict@{c}"])
+            if args.batch_images:
+                B = args.batch_images
+                on = {name: server for name, server in servers.items() if name.endswith("on")}  # no batching used
+                results = measure(on or servers, args.rounds, max(args.requests // B, args.rounds), bodies, 1,
+                                  "/classify_batch?top_k=1", batch=B)  # fmt: skip
+                for name, result in results.items():
+                    row(name, f"/classify_batch {B}", 1, result, B, raw[raw_of[name]][f"predict@{B}"])
+            for name, server in servers.items():
+                if name.endswith("on") and args.rss_requests:
+                    rss = [server.rss_mib()]
+                    step = max(args.rss_requests // 10, 1)
+                    total_errors: dict[str, int] = {}
+                    for _ in range(0, args.rss_requests, step):
+                        _, _, errors = asyncio.run(load(server.url, bodies, step, 32))
+                        for k, v in errors.items():
+                            total_errors[k] = total_errors.get(k, 0) + v
+                        rss.append(server.rss_mib())
+                    print(f"\n{name}: resident memory over {args.rss_requests} requests (concurrency 32): start "
+                          f"{rss[0]:.0f} MiB, end {rss[-1]:.0f} MiB, max {max(rss):.0f} MiB, drift "
+                          f"{rss[-1] / rss[0] - 1:+.1%}, errors {total_errors or 0}")  # fmt: skip
+                    print("  per step: " + " ".join(f"{r:.0f}" for r in rss), flush=True)
+        finally:
+            for server in servers.values():
+                server.stop()
 
 
 if __name__ == "__main__":

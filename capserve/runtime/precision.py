@@ -72,9 +72,16 @@ def native_bf16() -> Bf16Support:
         found = []
     if not found:
         return Bf16Support(False, f"{arch} CPU without bf16 instructions (torch.cpu.get_capabilities)")
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if not _onednn_bf16():
         return Bf16Support(False, f"{arch} CPU has {', '.join(found)} but this torch's oneDNN cannot use bf16")
     return Bf16Support(True, f"{arch} CPU with {', '.join(found)}")
+
+
+def _onednn_bf16() -> bool:
+    """oneDNN (mkldnn), which runs torch's bf16 convolutions and matmuls on CPUs, can use bf16 here."""
+    import torch
+
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve_precision(requested: str, backend: str, device: str = "cpu") -> tuple[str, str]:
