@@ -157,6 +157,9 @@ def test_check_keeps_bf16_and_serves_it(models):
     bf16 = runtime.predict(x)
     assert bf16.dtype == np.float32 and not np.array_equal(bf16, fp32)  # autocast really ran
     np.testing.assert_allclose(bf16, fp32, atol=0.1)
+    assert runtime.at_precision("fp32").model is runtime.model  # the reference shares the weights
+    with pytest.raises(ValueError, match="precision must be one of"):
+        runtime.at_precision("int8")
 
 
 def test_check_falls_back_to_fp32_below_the_bound(models, caplog):
