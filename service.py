@@ -200,8 +200,8 @@ class CapsuleService:
             self.explainer.explain(images.normalize_images(np.zeros((1, *self.explainer.metadata.input_shape),
                                                                     np.uint8), self.explainer.metadata))  # fmt: skip
         self.ready = True
-        log.info("capserve ready: %s (%s on %s, providers %s), batching %s", self.runtime.metadata.name,
-                 SETTINGS.backend, SETTINGS.device, self.runtime.providers,
+        log.info("capserve ready: %s (%s %s on %s, providers %s), batching %s", self.runtime.metadata.name,
+                 SETTINGS.backend, self.runtime.precision, SETTINGS.device, self.runtime.providers,
                  f"up to {SETTINGS.max_batch_size}" if self.batching else "off")  # fmt: skip
 
     def __is_ready__(self) -> bool:
@@ -365,7 +365,8 @@ class CapsuleService:
             if runtime is None:
                 return None
             return {**asdict(runtime.metadata), "input_shape": list(runtime.metadata.input_shape),
-                    "backend": runtime.backend, "providers": list(runtime.providers)}  # fmt: skip
+                    "backend": runtime.backend, "providers": list(runtime.providers), "precision": runtime.precision,
+                    "precision_reason": runtime.precision_reason}  # fmt: skip
 
         return {
             "single_label": describe(self.runtime),

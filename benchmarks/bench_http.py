@@ -1,12 +1,15 @@
 """HTTP serving benchmark: a bounded load generator on loopback against `bentoml serve service:CapsuleService`.
 
-Prints, in one run: raw runtime throughput at batch sizes 1, 8 and 32 (no HTTP), then for adaptive batching on and
-off, throughput and p50/p95/p99 latency of POST /classify at concurrency 1, 8 and 32 (a fixed number of requests
-each), and the server's resident memory over a long run. The load generator shares the machine's cores with the
-server: on a small machine its own CPU time is part of what is measured.
+Prints, in one run, for each served configuration (backend and precision, e.g. onnxruntime:fp32, torch:bf16):
+the raw runtime's throughput (no HTTP) at batch sizes 1, 8 and 32 and of explanations at batch 1, then, with
+adaptive batching on and/or off, throughput and p50/p95/p99 latency over HTTP of POST /classify at concurrency 1,
+8 and 32, /explain and /multilabel at concurrency 1 and 8, and /classify_batch (32 images per request), each beside
+the raw figure it corresponds to; and the server's resident memory over a long run. The load generator shares the
+machine's cores with the server: on a small machine its own CPU time is part of what is measured.
 
     python benchmarks/bench_http.py                       # random-weight cifar10-resnet unless models/cifar10 exists
     python benchmarks/bench_http.py --model models/cifar10 --requests 500 --rss-requests 10000
+    python benchmarks/bench_http.py --configs onnxruntime:fp32 torch:bf16 torch:fp32 --batching on --rss-requests 0
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -32,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from capserve import images  # noqa: E402
-from capserve.runtime import load_runtime  # noqa: E402
+from capserve.runtime import Runtime, load_runtime  # noqa: E402
 
 
 def random_model(directory: Path) -> Path:
@@ -46,6 +52,7 @@ def random_model(directory: Path) -> Path:
     model = capserve.create_model("cifar10-resnet").eval()
     model.save(directory)
     export_onnx(model, directory / "model.onnx")
+    export_onnx(model, directory / "model-explain.onnx", explain=True)
     return directory
 
 
@@ -59,21 +66,59 @@ def pngs(count: int, size: int) -> list[bytes]:
     return out
 
 
-def raw_throughput(model: Path, batch_sizes: list[int], seconds: float) -> dict[int, float]:
-    """Images per second of runtime.predict alone, median of repeated timed runs per batch size."""
-    runtime = load_runtime(model / "model.onnx", "onnxruntime", "cpu")
-    meta = runtime.metadata
-    result = {}
+def open_runtime(model: Path, config: str, explain: bool = False) -> Runtime:
+    """The runtime a server with ``config`` ("backend:precision") uses for predictions (or for /explain)."""
+    backend, precision = config.split(":")
+    if backend == "torch":
+        return load_runtime(model, "torch", "cpu", precision=precision)
+    return load_runtime(model / ("model-explain.onnx" if explain else "model.onnx"), backend, "cpu")
+
+
+def interleaved(calls: dict[str, Callable[[], object]], seconds: float) -> dict[str, float]:
+    """Median seconds per call of each of ``calls``, timed in turn (A, B, A, B, ...) for ``seconds`` in all and at
+    least 5 rounds, after one untimed call each: every variant sees the same background load."""
+    for fn in calls.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(next(iter(times.values()))) < 5:
+        for name, fn in calls.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def raw_throughput(model: Path, configs: list[str], batch_sizes: list[int], seconds: float,
+                   explain: bool = True) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Images per second of each configuration's runtime alone, interleaved: config → {"predict@B": ..., and
+    "explain@1" when ``explain``}.
+
+    Timed in a worker thread, as the server runs inference (anyio worker threads): on a CPU shared with other
+    work, torch's OpenMP threads in the main thread collapse (measured in one process on this loaded 2-core
+    machine: bf16 batch 1 at 1.2 images/s from the main thread, 42.8 from a worker thread).
+    """
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(_raw_throughput, model, configs, batch_sizes, seconds, explain).result()
+
+
+def _raw_throughput(model: Path, configs: list[str], batch_sizes: list[int], seconds: float,
+                    explain: bool) -> dict[str, dict[str, float]]:  # fmt: skip
+    runtimes = {config: open_runtime(model, config) for config in configs}
+    meta = next(iter(runtimes.values())).metadata
+    result: dict[str, dict[str, float]] = {config: {} for config in configs}
     for B in batch_sizes:
         x = images.normalize_images(np.random.default_rng(B).integers(0, 256, (B, *meta.input_shape), np.uint8), meta)
-        runtime.predict(x)
-        times = []
-        deadline = time.perf_counter() + seconds
-        while time.perf_counter() < deadline or len(times) < 3:
-            t = time.perf_counter()
-            runtime.predict(x)
-            times.append(time.perf_counter() - t)
-        result[B] = B / float(np.median(times))
+        medians = interleaved({c: (lambda r=r, x=x: r.predict(x)) for c, r in runtimes.items()}, seconds)
+        for config, median in medians.items():
+            result[config][f"predict@{B}"] = B / median
+    if explain:
+        has_graph = (model / "model-explain.onnx").is_file()
+        explainers = {c: open_runtime(model, c, explain=True) if has_graph else r for c, r in runtimes.items()}
+        x = images.normalize_images(np.zeros((1, *meta.input_shape), np.uint8), meta)
+        medians = interleaved({c: (lambda r=r: r.explain(x)) for c, r in explainers.items()}, seconds)
+        for config, median in medians.items():
+            result[config]["explain@1"] = 1 / median
     return result
 
 
@@ -84,12 +129,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: Path, tmp: Path, **env: str):
+    def __init__(self, model: Path, multilabel: Path | None, tmp: Path, **env: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"server-{self.port}.log"
         environ = {**os.environ, "BENTOML_HOME": str(tmp / "bentoml"), "BENTOML_DO_NOT_TRACK": "True",
-                   "CAPSERVE_MODEL": str(model), "CAPSERVE_MULTILABEL_MODEL": "none", **env}  # fmt: skip
+                   "CAPSERVE_MODEL": str(model), "CAPSERVE_MULTILABEL_MODEL": str(multilabel or "none"),
+                   **env}  # fmt: skip
         bentoml = str(Path(sys.executable).with_name("bentoml"))
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen([bentoml, "serve", "service:CapsuleService", "--host", "127.0.0.1",
@@ -122,8 +168,13 @@ class Server:
             self.proc.wait()
 
 
-async def load(url: str, bodies: list[bytes], requests: int, concurrency: int) -> tuple[float, np.ndarray, dict]:
-    """``requests`` POST /classify, at most ``concurrency`` in flight: (seconds, latencies in ms, errors)."""
+async def load(url: str, bodies: list[bytes], requests: int, concurrency: int, endpoint: str = "/classify?top_k=1",
+               batch: int = 1) -> tuple[float, np.ndarray, dict]:  # fmt: skip
+    """``requests`` POSTs to ``endpoint``, at most ``concurrency`` in flight: (seconds, latencies in ms, errors).
+
+    ``batch`` > 1: each request is multipart with ``batch`` images in the field ``images`` (/classify_batch);
+    otherwise one raw PNG body.
+    """
     latencies: list[float] = []
     errors: dict[str, int] = {}
     next_index = 0
@@ -137,8 +188,13 @@ async def load(url: str, bodies: list[bytes], requests: int, concurrency: int) -
                 next_index += 1
                 t = time.perf_counter()
                 try:
-                    r = await client.post("/classify?top_k=1", content=bodies[i % len(bodies)],
-                                          headers={"content-type": "image/png"})  # fmt: skip
+                    if batch > 1:
+                        files = [("images", (f"{k}.png", bodies[(i + k) % len(bodies)], "image/png"))
+                                 for k in range(batch)]  # fmt: skip
+                        r = await client.post(endpoint, files=files)
+                    else:
+                        r = await client.post(endpoint, content=bodies[i % len(bodies)],
+                                              headers={"content-type": "image/png"})  # fmt: skip
                     status = str(r.status_code)
                 except httpx.HTTPError as e:
                     status = type(e).__name__
@@ -151,14 +207,52 @@ async def load(url: str, bodies: list[bytes], requests: int, concurrency: int) -
         return time.perf_counter() - start, np.array(latencies), errors
 
 
+def measure(servers: dict[str, Server], rounds: int, requests: int, *args: Any, **kwargs: Any) -> dict[str, tuple]:
+    """``load`` against every server in turn, ``rounds`` times (``requests`` in all per server): each server sees
+    the same background load. Server name → (seconds, latencies in ms, errors)."""
+    totals: dict[str, list] = {name: [0.0, [], {}] for name in servers}
+    for _ in range(rounds):
+        for name, server in servers.items():
+            seconds, latencies, errors = asyncio.run(load(server.url, *args[:1], max(requests // rounds, 1),
+                                                          *args[1:], **kwargs))  # fmt: skip
+            total = totals[name]
+            total[0] += seconds
+            total[1].extend(latencies)
+            for k, v in errors.items():
+                total[2][k] = total[2].get(k, 0) + v
+    return {name: (seconds, np.array(latencies), errors) for name, (seconds, latencies, errors) in totals.items()}
+
+
+def row(name: str, endpoint: str, c: int, result: tuple[float, np.ndarray, dict], images_per: int, raw: float) -> None:
+    seconds, lat, errors = result
+    ips = len(lat) * images_per / seconds
+    print(
+        f"  {name:26s} {endpoint:18s} {c:4d} {ips:8.1f} {np.percentile(lat, 50):8.1f} {np.percentile(lat, 95):8.1f} "
+        f"{np.percentile(lat, 99):8.1f} {sum(errors.values()):6d} {ips / raw:8.0%} {errors or ''}",
+        flush=True,
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=ROOT / "models" / "cifar10", help="model directory with model.onnx")
-    p.add_argument("--requests", type=int, default=300, help="requests per concurrency level")
+    p.add_argument("--multilabel-model", type=Path, default=ROOT / "models" / "multimnist",
+                   help="multi-label model directory for /multilabel ('none' or missing: skip)")  # fmt: skip
+    p.add_argument("--configs", nargs="+", default=["onnxruntime:fp32", "torch:bf16"],
+                   help="served backend:precision pairs (default %(default)s)")  # fmt: skip
+    p.add_argument("--batching", nargs="+", choices=["on", "off"], default=["on", "off"])
+    p.add_argument("--requests", type=int, default=300, help="requests per concurrency level and server")
+    p.add_argument("--rounds", type=int, default=5, help="turns each server takes per measurement (interleaving)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--batch-images", type=int, default=32, help="images per /classify_batch request (0: skip)")
     p.add_argument("--rss-requests", type=int, default=3000, help="requests of the memory run (concurrency 32)")
     p.add_argument("--max-latency-ms", type=int, default=10_000, help="adaptive batching latency budget (503 above)")
     args = p.parse_args()
+    for config in args.configs:
+        backend, _, precision = config.partition(":")
+        if backend not in ("onnxruntime", "torch") or precision not in ("fp32", "bf16") or (
+            backend == "onnxruntime" and precision != "fp32"):  # fmt: skip
+            p.error(f"--configs {config}: use onnxruntime:fp32, torch:fp32 or torch:bf16")
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -166,32 +260,62 @@ def main() -> None:
         if not (model / "model.onnx").is_file():
             print(f"{model}/model.onnx not found: benchmarking a random-weight cifar10-resnet", flush=True)
             model = random_model(tmp / "cifar10")
+        multilabel = args.multilabel_model if (args.multilabel_model / "model.onnx").is_file() else None
         meta = load_runtime(model / "model.onnx").metadata
         bodies = pngs(64, meta.image_size)
-        print(f"model {meta.name}, T={meta.iterations}, input {meta.input_shape}, {os.cpu_count()} CPUs, "
-              f"{args.requests} requests per level", flush=True)  # fmt: skip
+        ml_bodies = pngs(64, load_runtime(multilabel).metadata.image_size) if multilabel else []
+        print(f"model {meta.name}, T={meta.iterations}, input {meta.input_shape}, multi-label {multilabel}, "
+              f"{os.cpu_count()} CPUs, {args.requests} requests per level and server in {args.rounds} interleaved "
+              "rounds", flush=True)  # fmt: skip
 
-        raw = raw_throughput(model, sorted({1, *args.concurrency}), seconds=3.0)
-        print("\nraw runtime (onnxruntime CPU, no HTTP)")
-        for B, ips in raw.items():
-            print(f"  batch {B:3d}: {ips:8.1f} images/s")
+        sizes = sorted({1, 8, *args.concurrency, *([args.batch_images] if args.batch_images else [])})
+        raw = raw_throughput(model, args.configs, sizes, seconds=4.0 * len(args.configs))
+        ml_raw = raw_throughput(multilabel, args.configs, [1, 8], 2.0, explain=False) if multilabel else {}
+        print("\nraw runtime (CPU, no HTTP, variants interleaved), images/s")
+        for config, figures in raw.items():
+            ml = ", ".join(f"multi-label {k} {v:.1f}" for k, v in ml_raw.get(config, {}).items())
+            line = ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
+            print(f"  {config:16s} {line}" + (f"; {ml}" if ml else ""))
 
-        print("\nHTTP POST /classify (raw PNG body)")
-        print(f"  {'batching':10s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} "
-              f"{'errors':>6s} {'vs raw@B':>8s}")  # fmt: skip
-        for batching in (True, False):
-            env = {"CAPSERVE_MAX_BATCH_SIZE": str(max(args.concurrency)) if batching else "1",
-                   "CAPSERVE_MAX_LATENCY_MS": str(args.max_latency_ms)}  # fmt: skip
-            server = Server(model, tmp, **env)
-            try:
+        servers: dict[str, Server] = {}
+        try:
+            for config in args.configs:
+                backend, precision = config.split(":")
+                for batching in args.batching:
+                    env = {"CAPSERVE_BACKEND": backend, "CAPSERVE_PRECISION": precision,
+                           "CAPSERVE_MAX_BATCH_SIZE": str(max(args.concurrency)) if batching == "on" else "1",
+                           "CAPSERVE_MAX_LATENCY_MS": str(args.max_latency_ms)}  # fmt: skip
+                    servers[f"{config} batching {batching}"] = Server(model, multilabel, tmp, **env)
+            for server in servers.values():
                 asyncio.run(load(server.url, bodies, 50, 8))  # warm-up
-                for c in args.concurrency:
-                    seconds, lat, errors = asyncio.run(load(server.url, bodies, args.requests, c))
-                    rps = args.requests / seconds
-                    print(f"  {'on' if batching else 'off':10s} {c:4d} {rps:8.1f} {np.percentile(lat, 50):8.1f} "
-                          f"{np.percentile(lat, 95):8.1f} {np.percentile(lat, 99):8.1f} {sum(errors.values()):6d} "
-                          f"{rps / raw[c]:8.0%} {errors or ''}", flush=True)  # fmt: skip
-                if batching and args.rss_requests:
+
+            print(
+                "\nHTTP (raw PNG bodies; /classify_batch: multipart), images/s, servers interleaved; vs raw: the raw "
+                "runtime at the batch the concurrency allows (classify_batch: its images per request; explain: 1)"
+            )
+            print(f"  {'server':26s} {'endpoint':18s} {'conc':>4s} {'img/s':>8s} {'p50 ms':>8s} {'p95 ms':>8s} "
+                  f"{'p99 ms':>8s} {'errors':>6s} {'vs raw':>8s}")  # fmt: skip
+            raw_of = {name: name.split()[0] for name in servers}
+            for c in args.concurrency:
+                for name, result in measure(servers, args.rounds, args.requests, bodies, c).items():
+                    row(name, "/classify", c, result, 1, raw[raw_of[name]][f"predict@{c}"])
+            for c in (1, 8):
+                for name, result in measure(servers, args.rounds, args.requests // 4, bodies, c, "/explain").items():
+                    row(name, "/explain", c, result, 1, raw[raw_of[name]]["explain@1"])
+            if multilabel:
+                for c in (1, 8):
+                    for name, result in measure(servers, args.rounds, args.requests, ml_bodies, c,
+                                                "/multilabel").items():  # fmt: skip
+                        row(name, "/multilabel", c, result, 1, ml_raw[raw_of[name]][f"predict@{c}"])
+            if args.batch_images:
+                B = args.batch_images
+                on = {name: server for name, server in servers.items() if name.endswith("on")}  # no batching used
+                results = measure(on or servers, args.rounds, max(args.requests // B, args.rounds), bodies, 1,
+                                  "/classify_batch?top_k=1", batch=B)  # fmt: skip
+                for name, result in results.items():
+                    row(name, f"/classify_batch {B}", 1, result, B, raw[raw_of[name]][f"predict@{B}"])
+            for name, server in servers.items():
+                if name.endswith("on") and args.rss_requests:
                     rss = [server.rss_mib()]
                     step = max(args.rss_requests // 10, 1)
                     total_errors: dict[str, int] = {}
@@ -200,11 +324,12 @@ def main() -> None:
                         for k, v in errors.items():
                             total_errors[k] = total_errors.get(k, 0) + v
                         rss.append(server.rss_mib())
-                    print(f"\nresident memory over {args.rss_requests} requests (batching on, concurrency 32): "
-                          f"start {rss[0]:.0f} MiB, end {rss[-1]:.0f} MiB, max {max(rss):.0f} MiB, "
-                          f"drift {rss[-1] / rss[0] - 1:+.1%}, errors {total_errors or 0}")  # fmt: skip
+                    print(f"\n{name}: resident memory over {args.rss_requests} requests (concurrency 32): start "
+                          f"{rss[0]:.0f} MiB, end {rss[-1]:.0f} MiB, max {max(rss):.0f} MiB, drift "
+                          f"{rss[-1] / rss[0] - 1:+.1%}, errors {total_errors or 0}")  # fmt: skip
                     print("  per step: " + " ".join(f"{r:.0f}" for r in rss), flush=True)
-            finally:
+        finally:
+            for server in servers.values():
                 server.stop()
 
 

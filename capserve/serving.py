@@ -19,6 +19,7 @@ import numpy as np
 
 from capserve import images
 from capserve.runtime import Runtime, RuntimeLoadError, load_runtime
+from capserve.runtime.precision import MIN_AGREEMENT, PRECISIONS, PrecisionError, open_torch, resolve_precision
 
 log = logging.getLogger("capserve.service")
 
@@ -54,6 +55,8 @@ class Settings:
     backend: str = "onnxruntime"  # onnxruntime | torch | tensorrt
     device: str = "cpu"  # cpu | cuda | cuda:N
     iterations: int | None = None  # torch backend only: routing iterations (ONNX/TensorRT fix T at export)
+    precision: str = "auto"  # fp32 | bf16 (torch backend) | auto: bf16 where the CPU has native bf16 and torch serves
+    bf16_min_agreement: float = MIN_AGREEMENT  # bf16 start-up check: least agreement with fp32, else fp32 is served
     max_batch_size: int = 32  # adaptive batching: largest merged batch; 1 turns batching off
     max_latency_ms: int = 10_000  # adaptive batching: a request queued longer is dropped with a 503
     max_bytes: int = 8 * 2**20  # request body limit (413 above it)
@@ -78,12 +81,34 @@ class Settings:
             max_bytes=_int(env, "CAPSERVE_MAX_BYTES", d.max_bytes, 1024),
             max_pixels=_int(env, "CAPSERVE_MAX_PIXELS", d.max_pixels, 64),
             max_images=_int(env, "CAPSERVE_MAX_IMAGES", d.max_images, 1),
+            precision=env.get("CAPSERVE_PRECISION", "").strip().lower() or d.precision,
+            bf16_min_agreement=_fraction(env, "CAPSERVE_BF16_MIN_AGREEMENT", d.bf16_min_agreement),
         )
+        if settings.precision not in PRECISIONS:
+            raise ConfigurationError(f"CAPSERVE_PRECISION={settings.precision!r}; choose one of: "
+                                     f"{', '.join(PRECISIONS)}")  # fmt: skip
+        if settings.precision == "bf16" and backend != "torch":
+            raise ConfigurationError(f"CAPSERVE_PRECISION=bf16 works with the torch backend only: {backend} serves "
+                                     "the precision of its exported graph. Set CAPSERVE_BACKEND=torch, or "
+                                     "CAPSERVE_PRECISION=fp32 or auto")  # fmt: skip
         if settings.iterations is not None and backend != "torch":
             raise ConfigurationError(f"CAPSERVE_ITERATIONS works with the torch backend only: {backend} artifacts "
                                      "fix the routing iterations at export; re-export with `capserve export onnx DIR "
                                      "-o DIR/model.onnx -T N` or unset CAPSERVE_ITERATIONS")  # fmt: skip
         return settings
+
+
+def _fraction(env: Mapping[str, str], name: str, default: float) -> float:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigurationError(f"{name}={text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise ConfigurationError(f"{name}={value} must be in [0, 1]")
+    return value
 
 
 ARTIFACTS = {"onnxruntime": "model.onnx", "tensorrt": "model.plan"}
@@ -99,7 +124,8 @@ def open_model(directory: str, settings: Settings) -> tuple[Runtime, Runtime | N
                                  "`capserve train` or model.save(dir)")  # fmt: skip
     try:
         if settings.backend == "torch":
-            runtime = load_runtime(path, "torch", settings.device, iterations=settings.iterations)
+            runtime, _ = open_torch(path, settings.device, settings.iterations, settings.precision,
+                                    settings.bf16_min_agreement)  # fmt: skip
             return runtime, runtime
         artifact = path / ARTIFACTS[settings.backend]
         if not artifact.is_file():
@@ -108,9 +134,11 @@ def open_model(directory: str, settings: Settings) -> tuple[Runtime, Runtime | N
             raise ConfigurationError(f"{path} has no {artifact.name}, which the {settings.backend} backend "
                                      f"serves: run `{fix}` first, or set CAPSERVE_BACKEND=torch")  # fmt: skip
         runtime = load_runtime(artifact, settings.backend, settings.device)
+        _, runtime.precision_reason = resolve_precision(settings.precision, settings.backend, settings.device)
         explainer = None
         if (path / EXPLAIN_ARTIFACT).is_file():
             explainer = load_runtime(path / EXPLAIN_ARTIFACT, "onnxruntime", settings.device)
+            explainer.precision_reason = runtime.precision_reason
         else:
             log.warning(
                 "%s has no %s: /explain is off (run `capserve export onnx %s -o %s --explain`)",
@@ -123,6 +151,8 @@ def open_model(directory: str, settings: Settings) -> tuple[Runtime, Runtime | N
     except (RuntimeLoadError, ValueError) as e:
         if isinstance(e, ConfigurationError):
             raise
+        if isinstance(e, PrecisionError):
+            raise ConfigurationError(f"CAPSERVE_PRECISION={settings.precision}: {e}") from e
         raise ConfigurationError(f"cannot load the model in {path} with the {settings.backend} backend: {e}") from e
 
 

@@ -1,9 +1,15 @@
 """``capserve verify ARTIFACT --against CHECKPOINT``: the same inputs through eager PyTorch and an artifact.
 
+``capserve verify MODEL_DIR --precision bf16`` compares the model folder under bf16 autocast with itself in fp32:
+the check the service runs at start-up before serving bf16 (``capserve.runtime.precision``: 64 seeded images,
+decisions agree on at least 0.9 of them).
+
 Per batch size it prints the max abs and relative difference of the logits (relative: max |Δ| / max |eager|),
 the max abs difference of the probabilities (softmax, or sigmoid for multi-label models) and the top-1
 agreement. It exits 1 when a tolerance is exceeded: logits need max |Δ| <= atol + rtol · max |eager| and the
-top-1 agreement at least ``--min-agreement``. Defaults follow the artifact's precision (FP32 / FP16 graph).
+top-1 agreement at least ``--min-agreement``. Defaults follow the artifact's precision (FP32 / FP16 graph, bf16).
+Agreement means the same decision per image: top-1 for single-label models, the whole set of labels past their
+thresholds for multi-label ones.
 """
 
 from __future__ import annotations
@@ -15,19 +21,36 @@ from pathlib import Path
 import numpy as np
 
 from capserve.cli import UsageError
-from capserve.runtime import BACKENDS, Runtime, load_runtime
+from capserve.runtime import BACKENDS, Runtime, infer_backend, load_runtime
 from capserve.runtime.base import ModelMetadata
+from capserve.runtime.precision import (
+    MIN_AGREEMENT,
+    PRECISIONS,
+    SAMPLE_SIZE,
+    agreement,
+    decisions,  # noqa: F401  (importable from here, as before it moved)
+    probabilities,
+    resolve_precision,
+    sample_images,
+)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
-# precision → (atol, rtol, min top-1 agreement); FP16's matches capserve.export.fp16's documented tolerance
-DEFAULTS = {"fp32": (1e-4, 1e-4, 1.0), "fp16": (2e-2, 1e-1, 0.95)}
+# precision → (atol, rtol, min agreement); FP16's matches capserve.export.fp16's documented tolerance; bf16's
+# agreement bound is the service's start-up check, its logit tolerance is loose (8-bit mantissa: measured 0.07-0.18
+# on the shipped models) and catches only breakage such as overflow
+DEFAULTS = {"fp32": (1e-4, 1e-4, 1.0), "fp16": (2e-2, 1e-1, 0.95), "bf16": (0.5, 0.1, MIN_AGREEMENT)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifact", help=".onnx file, TensorRT engine (.plan) or model directory")
-    parser.add_argument("--against", required=True, help="the checkpoint (model directory) it was exported from")
+    parser.add_argument("--against", help="the checkpoint (model directory) it was exported from (default: the "
+                                          "artifact, when it is a model directory)")  # fmt: skip
     parser.add_argument("--images", help="folder of images to use (default: seeded random images)")
-    parser.add_argument("--batch-sizes", default="1,7,64", help="comma-separated (default %(default)s)")
+    parser.add_argument("--batch-sizes", help=f"comma-separated (default 1,7,64; {SAMPLE_SIZE} at bf16: the "
+                                              "service's start-up check)")  # fmt: skip
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="torch backend (a model directory): fp32, bf16 autocast, or auto (bf16 where the CPU "
+                             "has native bf16) (default %(default)s)")  # fmt: skip
     parser.add_argument("--backend", choices=list(BACKENDS), help="default: from the artifact's file name")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
     parser.add_argument("--atol", type=float, help="logit tolerance (default 1e-4 FP32, 2e-2 FP16)")
@@ -81,26 +104,7 @@ def load_images(folder: str | Path, metadata: ModelMetadata, count: int) -> np.n
 
 
 def random_images(metadata: ModelMetadata, count: int, seed: int) -> np.ndarray:
-    from capserve.preprocess import normalize_numpy
-
-    rng = np.random.default_rng(seed)
-    images = rng.integers(0, 256, size=(count, *metadata.input_shape), dtype=np.uint8)
-    return normalize_numpy(images, metadata.mean, metadata.std)
-
-
-def probabilities(logits: np.ndarray, task: str) -> np.ndarray:
-    if task == "multi_label":
-        return 1.0 / (1.0 + np.exp(-logits))
-    z = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return z / z.sum(axis=1, keepdims=True)
-
-
-def decisions(logits: np.ndarray, metadata: ModelMetadata) -> np.ndarray:
-    """What a user acts on: the top-1 class (single-label), or every label past its threshold (multi-label)."""
-    if metadata.task != "multi_label":
-        return logits.argmax(1)[:, None]  # (B, 1)
-    thresholds = np.asarray(metadata.thresholds or [0.5] * len(metadata.labels))
-    return probabilities(logits, "multi_label") >= thresholds  # (B, C)
+    return sample_images(metadata, count, seed)  # the images of the service's bf16 start-up check at seed 0
 
 
 def compare(reference: Runtime, artifact: Runtime, images: np.ndarray, batch_sizes: list[int]) -> list[Comparison]:
@@ -116,7 +120,7 @@ def compare(reference: Runtime, artifact: Runtime, images: np.ndarray, batch_siz
         rows.append(Comparison(
             batch=B, max_abs=float(diff.max()), max_rel=float(diff.max() / max(scale, 1e-12)), scale=scale,
             max_abs_prob=float(np.abs(probabilities(out, task) - probabilities(ref, task)).max()),
-            agreement=float((decisions(out, meta) == decisions(ref, meta)).all(axis=1).mean()),
+            agreement=agreement(ref, out, meta),
         ))  # fmt: skip
     return rows
 
@@ -124,22 +128,31 @@ def compare(reference: Runtime, artifact: Runtime, images: np.ndarray, batch_siz
 def run(args: argparse.Namespace) -> int:
     from capserve.runtime.torch_backend import TorchRuntime
 
-    sizes = parse_batch_sizes(args.batch_sizes)
-    if not Path(args.against).is_dir():
-        raise UsageError(f"--against {args.against} is not a model directory (model.safetensors + config.json)")
-    artifact = load_runtime(args.artifact, backend=args.backend, device=args.device)
+    against = args.against or (args.artifact if Path(args.artifact).is_dir() else None)
+    if against is None:
+        raise UsageError(f"give --against: the model directory {args.artifact} was exported from")
+    if not Path(against).is_dir():
+        raise UsageError(f"--against {against} is not a model directory (model.safetensors + config.json)")
+    options = {}
+    if args.precision != "fp32":
+        backend = args.backend or infer_backend(args.artifact)
+        options["precision"], reason = resolve_precision(args.precision, backend, args.device)
+        print(f"precision {options['precision']} ({reason})")
+    sizes = parse_batch_sizes(args.batch_sizes or (str(SAMPLE_SIZE) if options.get("precision") == "bf16"
+                                                   else "1,7,64"))  # fmt: skip
+    artifact = load_runtime(args.artifact, backend=args.backend, device=args.device, **options)
     meta = artifact.metadata
-    reference = TorchRuntime(args.against, device="cpu", iterations=meta.iterations)
+    reference = TorchRuntime(against, device="cpu", iterations=meta.iterations)
     ref_meta = reference.metadata
     for field in ("name", "labels", "task", "in_channels", "image_size", "mean", "std"):
         if getattr(meta, field) != getattr(ref_meta, field):
-            raise UsageError(f"{args.artifact} is a different model than {args.against}: {field} "
+            raise UsageError(f"{args.artifact} is a different model than {against}: {field} "
                              f"{getattr(meta, field)!r} vs {getattr(ref_meta, field)!r}")  # fmt: skip
     weights_note = ""
     if meta.weights_sha256 != ref_meta.weights_sha256:  # another file; maybe the same weights saved again
         a, b = meta.weights_sha256[:12], ref_meta.weights_sha256[:12]
         weights_note = f"; note: weights_sha256 differs ({a}… vs {b}…): exported from another weights file"
-    precision = getattr(artifact, "precision", None) or getattr(getattr(artifact, "sidecar", None), "precision", "fp32")
+    precision = artifact.precision
     atol, rtol, min_agreement = DEFAULTS.get(precision, DEFAULTS["fp32"])
     atol = atol if args.atol is None else args.atol
     rtol = rtol if args.rtol is None else args.rtol
@@ -151,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         images, source = random_images(meta, count, args.seed), f"random images (seed {args.seed})"
     print(f"{args.artifact}: {meta.name}, T={meta.iterations}, {precision}, {artifact.backend} on "
-          f"{', '.join(artifact.providers)}; eager reference {args.against}; {source}{weights_note}")  # fmt: skip
+          f"{', '.join(artifact.providers)}; eager fp32 reference {against}; {source}{weights_note}")  # fmt: skip
     agree = "labels agree" if meta.task == "multi_label" else "top-1 agree"  # per image, all decisions equal
     print(f"tolerance: max |Δlogit| <= {atol:g} + {rtol:g}·max|logit|, {agree} >= {min_agreement:g}")
     print(f"{'batch':>5}  {'max|Δlogit|':>11}  {'rel':>9}  {'max|Δprob|':>10}  {agree:>12}  result")

@@ -94,6 +94,8 @@ class Runtime(ABC):
 
     metadata: ModelMetadata
     backend: str
+    precision: str = "fp32"  # the arithmetic inference actually uses: fp32, fp16 (graph) or bf16 (torch autocast)
+    precision_reason: str = ""  # why, when a server chose it (capserve.runtime.precision.open_torch)
 
     @property
     @abstractmethod

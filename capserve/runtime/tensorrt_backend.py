@@ -146,6 +146,7 @@ class TensorRTRuntime(Runtime):
             raise ValueError(f"TensorRT engines run on a GPU: use device='cuda' or 'cuda:N', got {device!r}")
         self.sidecar = EngineSidecar.read(sidecar_path(self.path))
         self.metadata = self.sidecar.metadata
+        self.precision = self.sidecar.precision
         trt = import_tensorrt()
         import torch
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from contextlib import nullcontext
 from pathlib import Path
@@ -42,6 +43,7 @@ class TorchRuntime(Runtime):
     def __init__(self, path: str | Path, device: str = "cpu", iterations: int | None = None, precision: str = "fp32"):
         if precision not in AUTOCAST:
             raise ValueError(f"precision must be one of {', '.join(AUTOCAST)}, got {precision!r}")
+        self.precision = precision
         self.autocast = AUTOCAST[precision]
         try:
             self.device = torch.device(device)
@@ -57,6 +59,14 @@ class TorchRuntime(Runtime):
     @property
     def providers(self) -> list[str]:
         return [str(self.device)]
+
+    def at_precision(self, precision: str) -> TorchRuntime:
+        """The same loaded model (weights shared, not copied) run at another precision, e.g. an fp32 reference."""
+        if precision not in AUTOCAST:
+            raise ValueError(f"precision must be one of {', '.join(AUTOCAST)}, got {precision!r}")
+        other = copy.copy(self)
+        other.precision, other.autocast = precision, AUTOCAST[precision]
+        return other
 
     def _autocast(self) -> torch.autocast | nullcontext:
         if self.autocast is None:
