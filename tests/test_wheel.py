@@ -67,8 +67,10 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     for name in ("config.json", "model.safetensors"):
         shutil.copy(CIFAR10 / name, model / name)
     capserve = str(tmp_path / "venv" / "bin" / "capserve")
-    assert run([capserve, "export", "onnx", "cifar10", "-o", "cifar10/model.onnx"], work, env).strip().endswith(
-        "model.onnx"
+    assert (
+        run([capserve, "export", "onnx", "cifar10", "-o", "cifar10/model.onnx"], work, env)
+        .strip()
+        .endswith("model.onnx")
     )
     out = run([capserve, "verify", "cifar10/model.onnx", "--against", "cifar10", "--batch-sizes", "1,5"], work, env)
     assert "cifar10-resnet, T=2, fp32, onnxruntime on CPUExecutionProvider" in out and out.strip().endswith("passed")
