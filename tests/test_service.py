@@ -23,6 +23,7 @@ from PIL import Image
 
 import capserve
 from capserve import images
+from capserve.checkpoint import file_sha256
 from capserve.runtime import load_runtime
 from capserve.serving import ConfigurationError, Settings
 
@@ -583,17 +584,107 @@ def test_settings_from_env():
             Settings.from_env(env)
 
 
-@pytest.mark.slow
-def test_bentoml_build(tmp_path):
-    env = {**os.environ, "BENTOML_HOME": str(tmp_path), "BENTOML_DO_NOT_TRACK": "True"}
-    r = subprocess.run(
-        [BENTOML, "build", "--output", "tag"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+# ------------------------------------------------------------------------------------------ model store, bentos
+
+
+@pytest.fixture(scope="module")
+def store(models, tmp_path_factory) -> Path:
+    """A temporary BENTOML_HOME (its parent, as start_server takes it) whose model store holds the tiny models
+    under the names the bentofiles declare, saved by `capserve export bentoml` (the explanation graph made on the
+    way for multimnist, which lacks one)."""
+    tmp = tmp_path_factory.mktemp("store")
+    env = {**os.environ, "BENTOML_HOME": str(tmp / "bentoml"), "BENTOML_DO_NOT_TRACK": "True"}
+    script = ("import sys; from capserve.cli import main\n"
+              "for model, name in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+              "    assert main(['export', 'bentoml', model, '--name', name]) == 0")  # fmt: skip
+    args = [str(models["cifar10"]), "capserve-cifar10", str(models["multimnist"]), "capserve-multimnist"]
+    r = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    bento = next((tmp_path / "bentos" / "capserve").glob("*/bento.yaml"))
+    assert r.stdout.count("capserve-") == 2, r.stdout
+    return tmp
+
+
+def stored(store: Path, name: str) -> Path:
+    (folder,) = (store / "bentoml" / "models" / name).glob("*/")
+    return folder
+
+
+def test_export_bentoml_saves_the_whole_model_folder(store, models):
+    import yaml
+
+    folder = stored(store, "capserve-multimnist")
+    info = yaml.safe_load((folder / "model.yaml").read_text())
+    assert info["labels"] == {"task": "multi_label", "dataset": "multimnist", "config": "multimnist-matrix-small"}
+    assert info["metadata"]["iterations"] == 2 and info["metadata"]["classes"] == 10
+    assert info["metadata"]["weights_sha256"] == file_sha256(models["multimnist"] / "model.safetensors")
+    assert {"config.json", "model.safetensors", "model.onnx", "model-explain.onnx"} <= {
+        p.name for p in folder.iterdir()
+    }
+    assert not (models["multimnist"] / "model-explain.onnx").exists()  # made in the store, not in the source
+    assert load_runtime(folder / "model-explain.onnx").explainable
+
+
+def test_export_bentoml_refuses_stale_graphs_and_non_models(models, tmp_path, capsys):
+    from capserve.cli import main
+
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (stale / name).write_bytes((models["multimnist"] / name).read_bytes())
+    (stale / "model.onnx").write_bytes((models["cifar10"] / "model.onnx").read_bytes())  # another model's graph
+    assert main(["export", "bentoml", str(stale), "--name", "x"]) == 2
+    assert "was exported from other weights" in capsys.readouterr().err
+    assert main(["export", "bentoml", str(tmp_path), "--name", "x"]) == 2
+    assert "is not a model directory" in capsys.readouterr().err
+
+
+def test_serving_from_the_model_store(store, eager):
+    """CAPSERVE_MODEL=NAME[:VERSION] from BentoML's model store, with the real `bentoml serve`."""
+    version = stored(store, "capserve-cifar10").name
+    proc, url, log = start_server(store, CAPSERVE_MODEL=f"capserve-cifar10:{version}",
+                                  CAPSERVE_MULTILABEL_MODEL="capserve-multimnist")  # fmt: skip
+    try:
+        wait_ready(proc, url, log)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            body = client.get("/model").json()
+            assert body["single_label"]["tag"] == f"capserve-cifar10:{version}"
+            assert body["multi_label"]["tag"].startswith("capserve-multimnist:")
+            r = client.post("/classify?top_k=10", content=GOOD, headers={"content-type": "image/png"})
+            got = {p["index"]: p["probability"] for p in r.json()["predictions"]}
+            np.testing.assert_allclose([got[i] for i in range(10)], softmax(eager_logits(eager["cifar10"], GOOD)),
+                                       atol=1e-5)  # fmt: skip
+            assert client.post("/explain", content=GOOD, headers={"content-type": "image/png"}).status_code == 200
+    finally:
+        stop(proc)
+    log_text = failed_start(store, CAPSERVE_MODEL="capserve-nothing")
+    assert "nor a model in BentoML's model store" in log_text and "capserve export bentoml" in log_text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bentofile, name, device", [("bentofile.yaml", "capserve", "gpu"),
+                                                      ("bentofile-cpu.yaml", "capserve-cpu", "cpu")])  # fmt: skip
+def test_bentoml_build(store, bentofile, name, device):
+    import yaml
+
+    env = {**os.environ, "BENTOML_HOME": str(store / "bentoml"), "BENTOML_DO_NOT_TRACK": "True"}
+    r = subprocess.run([BENTOML, "build", "-f", bentofile, "--output", "tag"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    (bento,) = (store / "bentoml" / "bentos" / name).glob("*/bento.yaml")
+    info = yaml.safe_load(bento.read_text())
+    packed = {m["tag"] for m in info["models"]}
+    assert packed == {f"{n}:{stored(store, n).name}" for n in ("capserve-cifar10", "capserve-multimnist")}
+    envs = {e["name"]: e["value"] for e in info["envs"]}
+    assert envs["CAPSERVE_MODEL"] == "capserve-cifar10" and envs["CAPSERVE_DEVICE"] == (
+        "cuda" if device == "gpu" else "cpu"
+    )
+    requirements = (bento.parent / "env" / "python" / "requirements.txt").read_text()
     dockerfile = (bento.parent / "env" / "docker" / "Dockerfile").read_text()
-    assert "nvidia/cuda:12" in dockerfile
-    assert "onnxruntime-gpu" in (bento.parent / "env" / "python" / "requirements.txt").read_text()
+    if device == "gpu":
+        assert "onnxruntime-gpu>=1.21,<1.27" in requirements and "nvidia/cuda:12.8" in dockerfile
+    else:
+        assert "onnxruntime-gpu" not in requirements and "onnxruntime" in requirements and "nvidia" not in dockerfile
     assert (bento.parent / "src" / "service.py").is_file() and (
-        bento.parent / "src" / "capserve" / "images.py"
+        bento.parent / "src" / "capserve" / "serving.py"
     ).is_file()
+    assert not (bento.parent / "src" / "models").exists()  # models come from the store, not the source tree
