@@ -608,8 +608,8 @@ class Capsules:
             self.batching = settings.max_batch_size > 1
             self._batchers: dict[bool, Any] = {}  # multilabel → batched predict
             self._warm_up()
-        except ConfigurationError as e:
-            log.critical("capserve cannot start: %s", e)
+        except Exception as e:  # any failed start stops the server (exit 3); unexpected ones with their traceback
+            log.critical("capserve cannot start: %s", e, exc_info=not isinstance(e, ConfigurationError))
             report_failed_start()
             raise
 
@@ -619,14 +619,16 @@ class Capsules:
             for runtime in (self.runtime, self.multilabel_runtime, self.explainer):
                 if runtime is None:
                     continue
-                logits = self.predict(runtime, np.zeros((1, *runtime.metadata.input_shape), np.uint8))
+                zeros = images.normalize_images(
+                    np.zeros((1, *runtime.metadata.input_shape), np.uint8), runtime.metadata
+                )
+                logits = runtime.predict(zeros)
                 if logits.shape != (1, len(runtime.metadata.labels)) or not np.isfinite(logits).all():
                     raise ConfigurationError(f"warm-up inference of {runtime.metadata.name} gave {logits.shape} "
                                              "logits with non-finite values or the wrong shape")  # fmt: skip
-            if self.explainer is not None:
-                zeros = np.zeros((1, *self.explainer.metadata.input_shape), np.uint8)
-                self.explainer.explain(images.normalize_images(zeros, self.explainer.metadata))
-        except (InputError, RequestError, RuntimeError, AssertionError) as e:
+                if runtime is self.explainer:
+                    runtime.explain(zeros)
+        except (InputError, NotImplementedError, RuntimeError, AssertionError) as e:
             raise ConfigurationError(f"warm-up inference failed: {e}") from e
         self.ready = True
         log.info("capserve ready: %s (%s on %s, providers %s), batching %s", self.runtime.metadata.name,

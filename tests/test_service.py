@@ -111,7 +111,7 @@ def server(models, tmp_path_factory):
         CAPSERVE_MAX_PIXELS=str(MAX_PIXELS),
         CAPSERVE_MAX_IMAGES=str(MAX_IMAGES),
         CAPSERVE_MAX_BATCH_SIZE="16",
-        CAPSERVE_MAX_LATENCY_MS="1000",
+        CAPSERVE_MAX_LATENCY_MS="30000",
     )
     try:
         wait_ready(proc, url, log)
@@ -299,7 +299,7 @@ def test_model_metadata(server):
     assert single["backend"] == "onnxruntime" and single["providers"] == ["CPUExecutionProvider"]
     assert body["multi_label"]["name"] == "multimnist-matrix-small" and body["multi_label"]["image_size"] == 36
     assert body["versions"]["capserve"] == capserve.__version__
-    assert body["batching"] == {"enabled": True, "max_batch_size": 16, "max_latency_ms": 1000}
+    assert body["batching"] == {"enabled": True, "max_batch_size": 16, "max_latency_ms": 30000}
 
 
 def test_concurrent_requests_equal_unbatched(server, models):
