@@ -1,12 +1,12 @@
 # Every target sets itself up on a fresh machine: a virtual environment in .venv, the CPU build of torch
-# first (a bare range would pull a multi-GB CUDA build), then capserve with all its extras.
+# first (a bare range would pull a multi-GB CUDA build), then capserve (editable) with its CPU extras.
+# Afterwards `source .venv/bin/activate` puts `capserve` and `bentoml` on the PATH.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# GPU servers: make TORCH_SPEC=torch serve   (and install capserve[gpu] for onnxruntime-gpu)
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 3000
 
-.PHONY: install test serve lint bench clean
+.PHONY: install install-gpu test serve lint bench bento bento-cpu clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,6 +16,14 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# NVIDIA GPU machines: capserve[gpu] alone (onnxruntime-gpu, CUDA 12 builds, instead of the CPU onnxruntime: the
+# two must never be installed together), in its own environment .venv-gpu; `source .venv-gpu/bin/activate`.
+install-gpu:
+	python3 -m venv .venv-gpu
+	.venv-gpu/bin/python -m pip install -q --upgrade pip
+	.venv-gpu/bin/python -m pip install -q "$(TORCH_SPEC)"
+	.venv-gpu/bin/python -m pip install -q -e ".[gpu,train]" "pytest>=8" "httpx>=0.27"
 
 test: install
 	$(PY) -m pytest -q
@@ -29,5 +37,16 @@ lint: install
 bench: install
 	$(PY) benchmarks/bench_model.py
 
+# Bentos: the shipped models into BentoML's model store (a new version each time), then `bentoml build`
+bento: install
+	$(VENV)/bin/capserve export bentoml models/cifar10 --name capserve-cifar10
+	$(VENV)/bin/capserve export bentoml models/multimnist --name capserve-multimnist
+	$(VENV)/bin/bentoml build
+
+bento-cpu: install
+	$(VENV)/bin/capserve export bentoml models/cifar10 --name capserve-cifar10
+	$(VENV)/bin/capserve export bentoml models/multimnist --name capserve-multimnist
+	$(VENV)/bin/bentoml build -f bentofile-cpu.yaml
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-gpu build dist *.egg-info .pytest_cache .ruff_cache

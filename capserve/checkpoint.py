@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -23,6 +24,15 @@ FORMAT_VERSION = 1
 
 class CheckpointError(ValueError):
     """A model directory that cannot be loaded; the message says what is wrong and how to fix it."""
+
+
+def file_sha256(path: str | Path) -> str:
+    """SHA-256 of a file (e.g. a checkpoint's weights: what exported artifacts record as their source)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def save_model(model: CapsNet, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:

@@ -1,24 +1,38 @@
-"""Serving pieces that need no BentoML: settings, model loading, the ASGI request guard, result maths.
+"""Everything the HTTP service does, as plain Python: settings, model loading (directories or BentoML's model
+store), the request logic and its results, the ASGI request guard, the server process's start-up rules.
 
-``service.py`` (the BentoML service) stays a thin layer over these.
+``service.py`` is a thin BentoML shell over ``Capsules``. BentoML is imported only inside the functions that
+need it (the model store, the adaptive batching engine, its exception types, its metrics folder).
 """
 
 from __future__ import annotations
 
+import atexit
+import base64
 import io
 import json
 import logging
 import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
+import anyio
 import numpy as np
+from pydantic import BaseModel, Field
 
 from capserve import images
-from capserve.runtime import Runtime, RuntimeLoadError, load_runtime
+from capserve.runtime import Explanation, InputError, Runtime, RuntimeLoadError, load_runtime
 from capserve.runtime.precision import MIN_AGREEMENT, PRECISIONS, PrecisionError, open_torch, resolve_precision
 
 log = logging.getLogger("capserve.service")
@@ -113,20 +127,53 @@ def _fraction(env: Mapping[str, str], name: str, default: float) -> float:
 
 ARTIFACTS = {"onnxruntime": "model.onnx", "tensorrt": "model.plan"}
 EXPLAIN_ARTIFACT = "model-explain.onnx"
+STORE_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(:[A-Za-z0-9_.-]+)?$")  # BentoML's NAME[:VERSION]
 
 
-def open_model(directory: str, settings: Settings) -> tuple[Runtime, Runtime | None]:
-    """The runtime for predictions and the one for explanations (None when the directory has none)."""
-    path = Path(directory)
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a served model came from: its folder, and its BentoML model-store tag when it came from the store."""
+
+    path: Path
+    tag: str | None = None
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """``CAPSERVE_MODEL``'s value → the model folder: a directory, or ``NAME[:VERSION]`` in BentoML's model store
+    (``capserve export bentoml``; inside a bento, the store is the bento's own models folder)."""
+    path = Path(spec)
+    if path.is_dir() or not STORE_TAG.match(spec):
+        return ModelSource(path)
+    try:
+        import bentoml
+        from bentoml.exceptions import NotFound
+    except ImportError:
+        return ModelSource(path)
+    try:
+        stored = bentoml.models.get(spec)
+    except NotFound:
+        return ModelSource(path)  # open_model says that neither exists
+    except ValueError as e:  # a malformed tag
+        raise ConfigurationError(f"model {spec!r}: {e}") from e
+    return ModelSource(Path(stored.path), str(stored.tag))
+
+
+def open_model(spec: str, settings: Settings) -> tuple[Runtime, Runtime | None, ModelSource]:
+    """The runtime for predictions, the one for explanations (None when the model has none), and the source."""
+    source = resolve_model(spec)
+    path = source.path
     if not path.is_dir():
-        raise ConfigurationError(f"model directory {path} not found (working directory {Path.cwd()}); set "
-                                 "CAPSERVE_MODEL / CAPSERVE_MULTILABEL_MODEL to a directory made by "
-                                 "`capserve train` or model.save(dir)")  # fmt: skip
+        home = os.environ.get("BENTOML_HOME", "~/bentoml")
+        raise ConfigurationError(f"model {spec!r} is neither a directory (working directory {Path.cwd()}) nor a "
+                                 f"model in BentoML's model store ({home}): set CAPSERVE_MODEL / "
+                                 "CAPSERVE_MULTILABEL_MODEL to a directory made by `capserve train` or "
+                                 "model.save(dir), or save one to the store with `capserve export bentoml DIR "
+                                 "--name NAME`")  # fmt: skip
     try:
         if settings.backend == "torch":
             runtime, _ = open_torch(path, settings.device, settings.iterations, settings.precision,
                                     settings.bf16_min_agreement)  # fmt: skip
-            return runtime, runtime
+            return runtime, runtime, source
         artifact = path / ARTIFACTS[settings.backend]
         if not artifact.is_file():
             fix = (f"capserve export onnx {path} -o {artifact}" if settings.backend == "onnxruntime"
@@ -140,14 +187,9 @@ def open_model(directory: str, settings: Settings) -> tuple[Runtime, Runtime | N
             explainer = load_runtime(path / EXPLAIN_ARTIFACT, "onnxruntime", settings.device)
             explainer.precision_reason = runtime.precision_reason
         else:
-            log.warning(
-                "%s has no %s: /explain is off (run `capserve export onnx %s -o %s --explain`)",
-                path,
-                EXPLAIN_ARTIFACT,
-                path,
-                path / EXPLAIN_ARTIFACT,
-            )
-        return runtime, explainer
+            log.warning("%s has no %s: /explain is off (run `capserve export onnx %s -o %s --explain`)", path,
+                        EXPLAIN_ARTIFACT, path, path / EXPLAIN_ARTIFACT)  # fmt: skip
+        return runtime, explainer, source
     except (RuntimeLoadError, ValueError) as e:
         if isinstance(e, ConfigurationError):
             raise
@@ -197,6 +239,8 @@ class RequestGuard:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        _request_error.set({})
+        send = one_error_shape(scope, send)
         if scope["method"] == "GET" and scope["path"].rstrip("/") in self.get_routes:
             # BentoML APIs answer POST only; a GET on a parameterless API is the same call with an empty JSON body
             headers = self._replace_headers(scope["headers"], "application/json", 2)
@@ -241,7 +285,7 @@ class RequestGuard:
             elif media == "multipart/form-data":
                 error = await self._check_form(scope, body, field)
                 if error:
-                    return await self._reply(send, 400, error)
+                    return await self._reply(send, *error)
             elif not body:
                 return await self._reply(send, 400, f"the request body is empty; send an image as the multipart "
                                                     f"file field {field!r} or as a raw image/* body")  # fmt: skip
@@ -280,7 +324,7 @@ class RequestGuard:
         return [*kept, (b"content-type", content_type.encode()), (b"content-length", str(length).encode())]
 
     @staticmethod
-    async def _check_form(scope: dict, body: bytes, field: str) -> str | None:
+    async def _check_form(scope: dict, body: bytes, field: str) -> tuple[int, str] | None:
         from starlette.datastructures import UploadFile
         from starlette.requests import Request
 
@@ -288,17 +332,89 @@ class RequestGuard:
         try:
             form = await request.form()
         except Exception as e:  # starlette raises MultiPartException, or HTTPException when it knows the app
-            return f"malformed multipart body: {getattr(e, 'detail', None) or getattr(e, 'message', None) or e}"
+            return 400, f"malformed multipart body: {getattr(e, 'detail', None) or getattr(e, 'message', None) or e}"
         try:
             values = form.getlist(field)
             if not values:
-                return (f"the multipart body has no file field {field!r} (it has: "
-                        f"{', '.join(sorted(set(form.keys()))) or 'nothing'})")  # fmt: skip
+                return 400, (f"the multipart body has no file field {field!r} (it has: "
+                             f"{', '.join(sorted(set(form.keys()))) or 'nothing'})")  # fmt: skip
             if not all(isinstance(v, UploadFile) for v in values):
-                return f"the field {field!r} must be a file upload, not text"
+                return 400, f"the field {field!r} must be a file upload, not text"
+            for value in values:
+                part_type = (value.content_type or "").split(";")[0].strip().lower()
+                if not part_type.startswith("image/"):
+                    return 415, (f"the file part {field!r} has Content-Type {part_type or '(none)'!r}; send it as "
+                                 "image/* (e.g. curl -F 'image=@cat.png;type=image/png')")  # fmt: skip
         finally:
             await form.close()
         return None
+
+
+def error_message(status: int, body: bytes) -> str:
+    """The one message of an error body in any of the shapes BentoML and Starlette send: ``{"error": ...}``,
+    ``[{"error": ...}]`` (BentoML's 4xx), ``{"error": ..., "detail": [pydantic errors]}``, or plain text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip() or HTTPStatus(status).phrase
+    while isinstance(data, list) and data:
+        data = data[0]
+    if not isinstance(data, dict):
+        return str(data)
+    details = data.get("detail")
+    if isinstance(details, list) and details and all(isinstance(d, dict) for d in details):
+        # pydantic: [{"loc": ["top_k"], "msg": "Input should be greater than or equal to 1", ...}]
+        return "; ".join(f"{'.'.join(str(p) for p in d.get('loc', ())) or 'request'}: {d.get('msg', d)}"
+                         for d in details)  # fmt: skip
+    message = data.get("error", data.get("detail", data))
+    return message if isinstance(message, str) else json.dumps(message)
+
+
+def one_error_shape(scope: dict, send: Any) -> Any:
+    """An ASGI send() that rewrites every error response to ``{"error": "..."}`` and logs it as one line
+    (method, path, status, reason); other responses pass through untouched. BentoML replaces the message of its
+    5xx responses with a generic one: a ``RequestError`` raised in this request (503, 501) leaves its own."""
+    held: dict[str, Any] = {}
+
+    async def wrapped(message: dict) -> None:
+        if message["type"] == "http.response.start" and message["status"] >= 400:
+            held["start"], held["body"] = message, b""
+            return None
+        if "start" not in held or message["type"] != "http.response.body":
+            return await send(message)
+        held["body"] += message.get("body", b"")
+        if message.get("more_body", False):
+            return None
+        status = held["start"]["status"]
+        known = _request_error.get() or {}
+        reason = known.get("message") or error_message(status, held["body"])  # BentoML hides 5xx messages
+        (log.warning if status < 500 else log.error)("%s %s %d %s", scope["method"], scope["path"], status, reason)
+        start, body = _json_response(status, reason)
+        start["headers"] += [(k, v) for k, v in held["start"].get("headers", [])
+                             if k.lower() not in (b"content-type", b"content-length")]  # fmt: skip
+        held.clear()
+        await send(start)
+        await send(body)
+
+    return wrapped
+
+
+# the message of the RequestError raised while serving the current request (set per request by RequestGuard)
+_request_error: ContextVar[dict[str, str] | None] = ContextVar("capserve_request_error", default=None)
+
+
+class QuietClientErrors(logging.Filter):
+    """Drops BentoML's "Exception on PATH" ERROR record (with traceback) for client errors (4xx, validation):
+    ``one_error_shape`` logs each of them as one line instead. Server errors keep their traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None:
+            return True
+        if type(error).__name__ == "ValidationError":  # pydantic's: the request's fields
+            return False
+        code = getattr(error, "error_code", None)
+        return not (code is not None and 400 <= int(code) < 500)
 
 
 # ---------------------------------------------------------------------------- results
@@ -314,18 +430,35 @@ def sigmoid(logits: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-logits))
 
 
-# A perceptual blue → cyan → yellow → red ramp for the heat-map (no plotting library in the server).
-RAMP = np.array([[49, 54, 149], [69, 117, 180], [116, 173, 209], [171, 217, 233], [254, 224, 144],
+# A diverging blue → pale → red ramp for the heat-map (no plotting library in the server): the middle is uniform.
+RAMP = np.array([[49, 54, 149], [69, 117, 180], [116, 173, 209], [224, 243, 248], [254, 224, 144],
                  [253, 174, 97], [244, 109, 67], [215, 48, 39]], dtype=np.float32)  # fmt: skip
+HEATMAP_OCTAVES = 2.0  # the colour scale spans 1/4× (blue) .. uniform (middle) .. 4× uniform (red)
+
+
+def vs_uniform(probabilities: np.ndarray, classes: int) -> np.ndarray:
+    """Routing probabilities as multiples of uniform routing (1/classes): 1 = no preference."""
+    return probabilities * classes
+
+
+def selectivity(part_whole: np.ndarray) -> float:
+    """How far routing is from uniform, in [0, 1]: 1 − mean normalised entropy of each grid capsule's routing
+    distribution over the classes (part_whole (C, H, W, I), summing to 1 over C). 0: every capsule routes
+    uniformly (the picture shows nothing); 1: every capsule routes to one class."""
+    C = part_whole.shape[0]
+    p = np.clip(part_whole.reshape(C, -1), 1e-12, 1.0)  # (C, H·W·I)
+    entropy = -(p * np.log(p)).sum(axis=0) / np.log(C)  # (H·W·I,) in [0, 1]
+    return float(np.clip(1.0 - entropy.mean(), 0.0, 1.0))
 
 
 def heatmap_png(image: np.ndarray, grid: np.ndarray, scale: int = 8, alpha: float = 0.55) -> bytes:
-    """A PNG of ``grid`` (h, w), min-max scaled and bilinearly upsampled, blended over ``image`` uint8 (C, H, W)."""
+    """A PNG of ``grid`` (h, w), routing as multiples of uniform, on a FIXED log scale (``HEATMAP_OCTAVES``
+    octaves either side of uniform, which is the ramp's pale middle), bilinearly upsampled and blended over
+    ``image`` uint8 (C, H, W). Near-uniform routing stays pale: the picture is never stretched to full colour."""
     from PIL import Image
 
     C, H, W = image.shape
-    g = grid - grid.min()
-    g = g / g.max() if g.max() > 0 else g  # (h, w) in [0, 1]
+    g = (np.log2(np.clip(grid, 1e-6, None)) / HEATMAP_OCTAVES + 1) / 2  # (h, w): 0.5 is uniform
     size = (W * scale, H * scale)
     g = np.asarray(Image.fromarray(g.astype(np.float32), "F").resize(size, Image.Resampling.BILINEAR))  # (H', W')
     position = np.clip(g, 0, 1) * (len(RAMP) - 1)
@@ -337,3 +470,388 @@ def heatmap_png(image: np.ndarray, grid: np.ndarray, scale: int = 8, alpha: floa
     buffer = io.BytesIO()
     Image.fromarray(blended, "RGB").save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------------- API results
+
+
+class Label(BaseModel):
+    label: str
+    index: int
+    probability: float
+
+
+class Classification(BaseModel):
+    model: str
+    iterations: int
+    predictions: list[Label] = Field(description="the top_k labels, most probable first")
+
+
+class MultiLabel(BaseModel):
+    model: str
+    iterations: int
+    threshold: float | None = Field(description="the threshold the request set; None: the model's own thresholds")
+    labels: list[Label] = Field(description="every label whose probability passed its threshold, most probable first")
+    probabilities: dict[str, float]
+    thresholds: dict[str, float]
+
+
+class Capsule(BaseModel):
+    type: int = Field(description="capsule type (channel) in the last grid capsule layer")
+    row: int
+    col: int
+    routing_probability: float = Field(description="routing probability from this capsule to the class, in [0, 1]")
+    vs_uniform: float = Field(description="routing_probability as a multiple of uniform routing (1/classes)")
+
+
+class Explained(BaseModel):
+    model: str
+    iterations: int
+    prediction: Label
+    uniform: float = Field(description="the routing probability of uniform routing: 1/classes")
+    selectivity: float = Field(description="0: routing is uniform (nothing to see), 1: each capsule picks one class")
+    grid: list[list[float]] = Field(description="mean routing probability to the class over capsule types, per cell")
+    capsules: list[Capsule] = Field(description="the most strongly routed capsules, strongest first")
+    heatmap_png: str = Field(description="base64 PNG: the grid vs uniform on a fixed log scale (1/4× blue, uniform "
+                                         "pale, 4× red) over the input")  # fmt: skip
+
+
+def top_labels(probabilities: np.ndarray, labels: tuple[str, ...], k: int) -> list[Label]:
+    order = np.argsort(-probabilities, kind="stable")[:k]
+    return [Label(label=labels[i], index=int(i), probability=float(probabilities[i])) for i in order]
+
+
+# ---------------------------------------------------------------------------- request errors
+
+
+class RequestError(ValueError):
+    """A request the service refuses; ``status`` is its HTTP status (the README's error table)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+_HTTP_ERRORS: dict[int, type] = {}
+
+
+def http_error(error: RequestError) -> Exception:
+    """``error`` as the BentoML exception that makes BentoML answer with its status."""
+    from bentoml.exceptions import BentoMLException
+
+    known = _request_error.get()
+    if known is not None:
+        known["message"] = str(error)
+    if error.status not in _HTTP_ERRORS:
+        _HTTP_ERRORS[error.status] = type(f"HTTP{error.status}", (BentoMLException,),
+                                          {"error_code": HTTPStatus(error.status)})  # fmt: skip
+    return _HTTP_ERRORS[error.status](str(error))
+
+
+IMAGE_ERRORS: dict[type[images.ImageError], int] = {
+    images.ImageTooLargeError: 413,
+    images.ImageTooSmallError: 422,
+    images.UnsupportedImageError: 422,
+}
+
+
+def decode(path: Path, runtime: Runtime, max_pixels: int, what: str = "the image") -> np.ndarray:
+    """An uploaded file → uint8 (C, H, W) for ``runtime``'s model; bad images raise ``RequestError``.
+
+    ``what`` names the upload in messages (BentoML stores uploads under temporary names the client never saw).
+    """
+    try:
+        return images.load_image(path.read_bytes(), runtime.metadata, max_pixels)
+    except images.ImageError as e:
+        raise RequestError(IMAGE_ERRORS.get(type(e), 400), f"{what}: {e}") from e
+
+
+# ---------------------------------------------------------------------------- the server process
+
+FAILED_START_SIGNAL = signal.SIGUSR2  # worker → server process: the model could not be loaded
+FAILED_START_EXIT_CODE = 3
+_failed_start = threading.Event()
+
+
+def prepare_server_process() -> None:
+    """Run at the service module's import, in the ``bentoml serve`` process and in its worker.
+
+    - A worker that cannot load its model signals the server process, which stops and exits with status 3
+      (BentoML would respawn the worker forever, or stop with status 0: orchestrators would see success).
+    - Each server gets its own Prometheus folder: BentoML's default is one folder under BENTOML_HOME that
+      every ``bentoml serve`` empties at start, resetting the ``/metrics`` of servers already running.
+    - BentoML's ERROR-with-traceback for client errors is dropped (each is logged as one line instead).
+    """
+    logging.getLogger("bentoml._internal.server.http_app").addFilter(QuietClientErrors())
+    if threading.current_thread() is not threading.main_thread():
+        return  # imported by a test or a tool, not by a server: signal handlers are the main thread's
+    signal.signal(FAILED_START_SIGNAL, _on_failed_start)
+    atexit.register(_exit_status)
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:  # the server process (its workers inherit the variable)
+        try:
+            from bentoml._internal.configuration.containers import BentoMLContainer
+        except ImportError:
+            return
+        folder = tempfile.mkdtemp(prefix="capserve-metrics-")
+        BentoMLContainer.prometheus_multiproc_dir.set(folder)
+        atexit.register(shutil.rmtree, folder, True)
+
+
+def _on_failed_start(signum: int, frame: Any) -> None:
+    _failed_start.set()
+    os.kill(os.getpid(), signal.SIGTERM)  # BentoML's (circus's) graceful stop; the exit status is set at exit
+
+
+def _exit_status() -> None:
+    if _failed_start.is_set():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(FAILED_START_EXIT_CODE)
+
+
+def report_failed_start() -> None:
+    """Called by a worker whose model cannot be loaded: stop the server process with a non-zero status."""
+    if os.environ.get("CAPSERVE_EXIT_ON_FAILURE", "1") != "0" and os.getppid() > 1:
+        os.kill(os.getppid(), FAILED_START_SIGNAL)
+
+
+# ---------------------------------------------------------------------------- the service's logic
+
+
+class Capsules:
+    """What the service does, for ``service.py`` to expose: the runtimes (loaded once and warmed up), adaptive
+    batching of single-image requests, and one method per endpoint. Bad requests raise ``error(RequestError)``
+    (``http_error``: BentoML's exceptions, answered with the right status)."""
+
+    def __init__(self, settings: Settings, error: Any = http_error):
+        self.settings, self.error, self.ready = settings, error, False
+        try:
+            self.runtime, self.explainer, self.source = open_model(settings.model, settings)
+            self.multilabel_runtime: Runtime | None = None
+            self.multilabel_source: ModelSource | None = None
+            if settings.multilabel_model.lower() != "none":
+                self.multilabel_runtime, _, self.multilabel_source = open_model(settings.multilabel_model, settings)
+                if self.multilabel_runtime.metadata.task != "multi_label":
+                    raise ConfigurationError(f"CAPSERVE_MULTILABEL_MODEL={settings.multilabel_model} is a "
+                                             f"{self.multilabel_runtime.metadata.task} model; give a multi_label "
+                                             "one or 'none'")  # fmt: skip
+            self.batching = settings.max_batch_size > 1
+            self._batchers: dict[bool, Any] = {}  # multilabel → batched predict
+            self._warm_up()
+        except Exception as e:  # any failed start stops the server (exit 3); unexpected ones with their traceback
+            log.critical("capserve cannot start: %s", e, exc_info=not isinstance(e, ConfigurationError))
+            report_failed_start()
+            raise
+
+    def _warm_up(self) -> None:
+        """One inference per loaded runtime (and explanation graph): readiness means a real answer came back."""
+        try:
+            for runtime in (self.runtime, self.multilabel_runtime, self.explainer):
+                if runtime is None:
+                    continue
+                zeros = images.normalize_images(
+                    np.zeros((1, *runtime.metadata.input_shape), np.uint8), runtime.metadata
+                )
+                logits = runtime.predict(zeros)
+                if logits.shape != (1, len(runtime.metadata.labels)) or not np.isfinite(logits).all():
+                    raise ConfigurationError(f"warm-up inference of {runtime.metadata.name} gave {logits.shape} "
+                                             "logits with non-finite values or the wrong shape")  # fmt: skip
+                if runtime is self.explainer:
+                    runtime.explain(zeros)
+        except (InputError, NotImplementedError, RuntimeError, AssertionError) as e:
+            raise ConfigurationError(f"warm-up inference failed: {e}") from e
+        self.ready = True
+        log.info("capserve ready: %s (%s %s on %s, providers %s), batching %s", self.runtime.metadata.name,
+                 self.settings.backend, self.runtime.precision, self.settings.device, self.runtime.providers,
+                 f"up to {self.settings.max_batch_size}" if self.batching else "off")  # fmt: skip
+
+    def fail(self, status: int, message: str) -> Exception:
+        return self.error(RequestError(status, message))
+
+    def predict(self, runtime: Runtime, pixels: np.ndarray) -> np.ndarray:
+        """uint8 (B, C, H, W) → float32 logits (B, classes); bad pixels or shapes are 400s."""
+        if pixels.dtype != np.uint8:  # JSON tensors arrive as int64
+            if pixels.dtype.kind not in "iu" or pixels.size == 0 or pixels.min() < 0 or pixels.max() > 255:
+                raise self.fail(400, f"images must be integer pixels in [0, 255], got {pixels.dtype} values")
+            pixels = pixels.astype(np.uint8)
+        try:
+            return runtime.predict(images.normalize_images(pixels, runtime.metadata))
+        except InputError as e:
+            raise self.fail(400, str(e)) from e
+
+    async def run(self, function: Any, *args: Any) -> Any:
+        """``function(*args)`` in a worker thread; its RequestErrors become ``error``'s exceptions."""
+        try:
+            return await anyio.to_thread.run_sync(function, *args)
+        except RequestError as e:
+            raise self.error(e) from e
+
+    def multilabel_model(self) -> Runtime:
+        if self.multilabel_runtime is None:
+            raise self.fail(501, "no multi-label model is served: start the server with CAPSERVE_MULTILABEL_MODEL "
+                                 "set to a multi_label model directory or model-store tag")  # fmt: skip
+        return self.multilabel_runtime
+
+    async def logits(self, pixels: np.ndarray, multilabel: bool = False) -> np.ndarray:
+        """Logits (B, classes) for uint8 pixels (B, C, H, W), without adaptive batching (the batchable APIs)."""
+        runtime = self.multilabel_model() if multilabel else self.runtime
+        return await self.run(self.predict, runtime, pixels)
+
+    async def batched_logits(self, pixels: np.ndarray, multilabel: bool = False) -> np.ndarray:
+        """Logits (1, classes) for one image (1, C, H, W): through adaptive batching when it is on."""
+        runtime = self.multilabel_model() if multilabel else self.runtime
+        if not self.batching:
+            return await self.run(self.predict, runtime, pixels)
+        if multilabel not in self._batchers:  # created on first use: the engine binds to the running event loop
+            self._batchers[multilabel] = self._batcher(runtime, multilabel)
+        return await self._batchers[multilabel](pixels)
+
+    def _batcher(self, runtime: Runtime, multilabel: bool) -> Any:
+        """BentoML's adaptive batching engine (the CorkDispatcher behind batchable APIs) around ``runtime``.
+
+        Called in-process: BentoML's own in-process client to a batchable API (``self.to_async``) loses
+        responses under concurrency (aiohttp "Server disconnected"), so the endpoints use the engine directly.
+        """
+        from bentoml._internal.marshal.dispatcher import CorkDispatcher
+
+        settings = self.settings
+
+        def overloaded() -> Any:
+            raise self.fail(503, f"the batching queue held this request over {settings.max_latency_ms} ms "
+                                 "(CAPSERVE_MAX_LATENCY_MS); retry later")  # fmt: skip
+
+        dispatcher = CorkDispatcher(max_latency_in_ms=settings.max_latency_ms, max_batch_size=settings.max_batch_size,
+                                    fallback=overloaded, get_batch_size=len, batch_dim=(0, 0))  # fmt: skip
+        endpoint = "multilabel" if multilabel else "classify"
+
+        async def infer(batches: list[np.ndarray]) -> list[np.ndarray]:
+            batch_size_histogram().labels(endpoint=endpoint).observe(len(batches))
+            logits = await self.run(self.predict, runtime, np.concatenate(batches))  # (B, classes)
+            return list(np.split(logits, np.cumsum([len(b) for b in batches])[:-1]))
+
+        return dispatcher(infer)
+
+    def check_top_k(self, top_k: int) -> None:
+        labels = len(self.runtime.metadata.labels)
+        if top_k > labels:
+            raise self.fail(400, f"top_k={top_k} but the model has {labels} labels: give 1..{labels}")
+
+    async def classify(self, image: Path, top_k: int) -> Classification:
+        meta = self.runtime.metadata
+        self.check_top_k(top_k)
+        pixels = await self.run(decode, image, self.runtime, self.settings.max_pixels)
+        probabilities = softmax(await self.batched_logits(pixels[None]))[0]  # (C,)
+        return Classification(model=meta.name, iterations=meta.iterations,
+                              predictions=top_labels(probabilities, meta.labels, top_k))  # fmt: skip
+
+    async def classify_batch(self, files: list[Path], top_k: int) -> list[Classification]:
+        meta, settings = self.runtime.metadata, self.settings
+        if not files:
+            raise self.fail(400, "send at least one image in the multipart field 'images'")
+        if len(files) > settings.max_images:
+            raise self.fail(413, f"{len(files)} images in one request; the limit is {settings.max_images} "
+                                 "(CAPSERVE_MAX_IMAGES)")  # fmt: skip
+        self.check_top_k(top_k)
+
+        def run() -> np.ndarray:
+            pixels = [decode(path, self.runtime, settings.max_pixels, f"image {i}") for i, path in enumerate(files)]
+            batch = np.stack(pixels)  # (B, C, H, W)
+            step = settings.max_batch_size
+            return np.concatenate([self.predict(self.runtime, batch[i : i + step]) for i in range(0, len(batch), step)])
+
+        probabilities = softmax(await self.run(run))  # (B, C)
+        return [Classification(model=meta.name, iterations=meta.iterations,
+                               predictions=top_labels(p, meta.labels, top_k)) for p in probabilities]  # fmt: skip
+
+    async def multilabel(self, image: Path, threshold: float | None) -> MultiLabel:
+        runtime = self.multilabel_model()
+        meta = runtime.metadata
+        pixels = await self.run(decode, image, runtime, self.settings.max_pixels)
+        probabilities = sigmoid(await self.batched_logits(pixels[None], multilabel=True))[0]  # (C,)
+        if threshold is not None:
+            thresholds = np.full(len(meta.labels), threshold)
+        else:
+            thresholds = np.array(meta.thresholds if meta.thresholds is not None else [0.5] * len(meta.labels))
+        passed = [label for label in top_labels(probabilities, meta.labels, len(meta.labels))
+                  if probabilities[label.index] >= thresholds[label.index]]  # fmt: skip
+        return MultiLabel(
+            model=meta.name, iterations=meta.iterations, threshold=threshold, labels=passed,
+            probabilities={name: float(p) for name, p in zip(meta.labels, probabilities, strict=True)},
+            thresholds={name: float(t) for name, t in zip(meta.labels, thresholds, strict=True)},
+        )  # fmt: skip
+
+    async def explain(self, image: Path, capsules: int) -> Explained:
+        explainer = self.explainer
+        if explainer is None:
+            model = self.source.path
+            raise self.fail(501, f"{self.settings.model} has no {EXPLAIN_ARTIFACT}: run `capserve export onnx "
+                                 f"{model} -o {model / EXPLAIN_ARTIFACT} --explain` or serve with "
+                                 "CAPSERVE_BACKEND=torch")  # fmt: skip
+        meta = explainer.metadata
+        pixels = await self.run(decode, image, explainer, self.settings.max_pixels)
+
+        def run() -> Explanation:
+            return explainer.explain(images.normalize_images(pixels[None], meta))
+
+        explanation = await self.run(run)
+        probabilities = softmax(explanation.logits)[0]  # (C,)
+        c = int(probabilities.argmax())
+        C = len(meta.labels)
+        routing = explanation.part_whole[0, c]  # (H, W, I)
+        _, W, I = routing.shape
+        order = np.argsort(-routing.reshape(-1), kind="stable")[: min(capsules, routing.size)]
+        top = [Capsule(type=int(k % I), row=int(k // (W * I)), col=int(k // I % W),
+                       routing_probability=float(routing.flat[k]), vs_uniform=float(routing.flat[k] * C))
+               for k in order]  # fmt: skip
+        grid = routing.mean(axis=-1)  # (H, W)
+        png = await self.run(heatmap_png, pixels, vs_uniform(grid, C))
+        return Explained(
+            model=meta.name, iterations=meta.iterations, prediction=top_labels(probabilities, meta.labels, 1)[0],
+            uniform=1.0 / C, selectivity=selectivity(explanation.part_whole[0]), grid=grid.tolist(), capsules=top,
+            heatmap_png=base64.b64encode(png).decode(),
+        )  # fmt: skip
+
+    def describe(self) -> dict[str, Any]:
+        """GET /model: the served models (with their store tags), batching, limits, versions."""
+
+        def model(runtime: Runtime | None, source: ModelSource | None) -> dict[str, Any] | None:
+            if runtime is None:
+                return None
+            return {**asdict(runtime.metadata), "input_shape": list(runtime.metadata.input_shape),
+                    "backend": runtime.backend, "providers": list(runtime.providers), "precision": runtime.precision,
+                    "precision_reason": runtime.precision_reason,
+                    "source": str(source.path) if source else None, "tag": source.tag if source else None}  # fmt: skip
+
+        import bentoml
+
+        s = self.settings
+        return {
+            "single_label": model(self.runtime, self.source),
+            "multi_label": model(self.multilabel_runtime, self.multilabel_source),
+            "explain": model(self.explainer, self.source),
+            "batching": {
+                "enabled": self.batching,
+                "max_batch_size": s.max_batch_size,
+                "max_latency_ms": s.max_latency_ms,
+            },
+            "limits": {"max_bytes": s.max_bytes, "max_pixels": s.max_pixels, "max_images": s.max_images},
+            "versions": {"capserve": self.runtime.metadata.capserve_version, "bentoml": bentoml.__version__},
+        }
+
+
+_BATCH_SIZE: list[Any] = []
+
+
+def batch_size_histogram() -> Any:
+    """BentoML's Prometheus histogram of adaptive batch sizes (created once, on first use)."""
+    if not _BATCH_SIZE:
+        import bentoml
+
+        _BATCH_SIZE.append(bentoml.metrics.Histogram(
+            name="capserve_batch_size", documentation="images per adaptive batch run for single-image requests",
+            labelnames=["endpoint"], buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+        ))  # fmt: skip
+    return _BATCH_SIZE[0]
+
+
+FILE_FIELDS = {"/classify": "image", "/classify_batch": "images", "/multilabel": "image", "/explain": "image"}

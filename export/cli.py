@@ -1,4 +1,4 @@
-"""``capserve export onnx|tensorrt``: the command-line face of ``capserve.export``."""
+"""``capserve export onnx|tensorrt|bentoml``: the command-line face of ``capserve.export``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from .onnx import DEFAULT_OPSET, MIN_OPSET
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="format", required=True, metavar="{onnx,tensorrt}")
+    sub = parser.add_subparsers(dest="format", required=True, metavar="{onnx,tensorrt,bentoml}")
     p = sub.add_parser("onnx", help="a checkpoint to ONNX, one file per routing iteration count T")
     p.add_argument("checkpoint", help="model directory (model.safetensors + config.json)")
     p.add_argument("-o", "--output", required=True, help="output .onnx; with several T, one stem-T<t>.onnx per T")
@@ -31,10 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--workspace-gib", type=float, default=4.0, help="builder workspace limit (default %(default)s)")
     t.add_argument("--tf32", action="store_true", help="allow TF32 matrix products (faster, ~1e-3 relative error)")
 
+    b = sub.add_parser("bentoml", help="a model directory as one model in BentoML's model store (versioned tags)")
+    b.add_argument("model", help="model directory (config.json + model.safetensors; ONNX graphs made when missing)")
+    b.add_argument("--name", required=True, help="model name in the store, e.g. capserve-cifar10; prints NAME:VERSION")
+
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.format == "onnx":
+        if args.format == "bentoml":
+            from capserve.export.bentoml import save_to_store
+
+            paths = [save_to_store(args.model, args.name)]
+        elif args.format == "onnx":
             from capserve.export.onnx import export_checkpoint
 
             if not Path(args.checkpoint).is_dir():
@@ -48,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
                                   timing_cache=args.timing_cache, fp16=args.fp16, workspace_gib=args.workspace_gib,
                                   tf32=args.tf32)]  # fmt: skip
     except ImportError as e:
-        raise UsageError(f"{e}; ONNX export needs `pip install 'capserve[export]'`") from e
+        raise UsageError(f"{e}; export needs `pip install 'capserve[export,serve]'`") from e
     for path in paths:
         print(path)
     return 0

@@ -85,7 +85,7 @@ def weights_sha256(model: CapsNet) -> str:
 
 def load_checkpoint(checkpoint: str | Path) -> tuple[CapsNet, str]:
     """A model directory's model (CPU, eval) and the SHA-256 of its weights file."""
-    from capserve.runtime.torch_backend import file_sha256
+    from capserve.checkpoint import file_sha256
 
     model = capserve.load(checkpoint, "cpu")
     return model, file_sha256(Path(checkpoint) / WEIGHTS)

@@ -144,7 +144,9 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, min_batch: int 
     cache_path = Path(timing_cache) if timing_cache else None
     if cache_path is not None:
         cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
-        config.set_timing_cache(cache, ignore_mismatch=False)
+        if not config.set_timing_cache(cache, ignore_mismatch=False):  # made elsewhere: TensorRT ignores it
+            log.warning("timing cache %s was made by another TensorRT version or GPU: ignored, and overwritten "
+                        "by this build's", cache_path)  # fmt: skip
 
     log.info("building a TensorRT %s engine for %s on %s (batch %d..%d)", trt.__version__, onnx_path, gpu,
              min_batch, max_batch)  # fmt: skip

@@ -33,10 +33,10 @@ from capserve.export.onnx import (
 from conftest import tiny_input, tiny_model
 
 import capserve
+from capserve.checkpoint import file_sha256
 from capserve.cli import main
 from capserve.runtime import ModelMetadata, load_runtime
 from capserve.runtime.onnx_backend import METADATA_KEY, PRECISION_KEY
-from capserve.runtime.torch_backend import file_sha256
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")

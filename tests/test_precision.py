@@ -165,7 +165,7 @@ def test_check_keeps_bf16_and_serves_it(models):
 def test_check_falls_back_to_fp32_below_the_bound(models, caplog):
     settings = Settings(model=str(models["contrived"]), backend="torch", precision="bf16")
     with caplog.at_level(logging.WARNING):
-        runtime, explainer = open_model(settings.model, settings)  # the service's own loading
+        runtime, explainer, _ = open_model(settings.model, settings)  # the service's own loading
     assert runtime.precision == "fp32" and explainer is runtime
     assert "falling back to fp32" in caplog.text and "top-1 agreement" in caplog.text
     assert runtime.precision_reason.startswith("fell back from bf16")
@@ -178,7 +178,7 @@ def test_check_falls_back_to_fp32_below_the_bound(models, caplog):
 
 def test_auto_on_onnxruntime_serves_the_graph(monkeypatch):
     capabilities(monkeypatch, {"architecture": "x86_64", "avx512_bf16": True})
-    runtime, explainer = open_model(str(SHIPPED), Settings(model=str(SHIPPED), precision="auto"))
+    runtime, explainer, _ = open_model(str(SHIPPED), Settings(model=str(SHIPPED), precision="auto"))
     assert (runtime.backend, runtime.precision, explainer.precision) == ("onnxruntime", "fp32", "fp32")
     assert "exported graph" in runtime.precision_reason
 

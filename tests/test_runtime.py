@@ -70,12 +70,31 @@ def test_graph_optimization_levels_agree(onnx_file, runtime, model):
 
 def test_providers(onnx_file):
     assert providers_for("cpu") == ["CPUExecutionProvider"]
-    assert providers_for("cuda:1") == [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]
+    # HEURISTIC: no cuDNN benchmark per new batch size (adaptive batching sends every size up to its limit)
+    cuda = ("CUDAExecutionProvider", {"device_id": 1, "cudnn_conv_algo_search": "HEURISTIC"})
+    assert providers_for("cuda:1") == [cuda, "CPUExecutionProvider"]
     with pytest.raises(ValueError, match="device"):
         providers_for("tpu")
     with pytest.raises(ValueError, match="device"):
         providers_for("cuda:x")
     assert OnnxRuntime(onnx_file, providers=["CPUExecutionProvider"]).providers == ["CPUExecutionProvider"]
+
+
+def test_onnxruntime_and_onnxruntime_gpu_together_is_an_error(onnx_file, monkeypatch):
+    import capserve.runtime.onnx_backend as backend
+
+    assert backend.installed_onnxruntimes() == ["onnxruntime"]  # this CPU machine's install is not mixed
+    monkeypatch.setattr(backend, "installed_onnxruntimes", lambda: ["onnxruntime", "onnxruntime-gpu"])
+    with pytest.raises(RuntimeLoadError, match=r"pip install 'capserve\[gpu\]'"):
+        OnnxRuntime(onnx_file)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only torch error on a machine without a GPU")
+def test_torch_backend_on_cuda_without_cuda_is_a_clear_error(tmp_path):
+    """The GPU image's CPU torch wheel raised an uncaught AssertionError here (BentoML respawned the worker)."""
+    tiny_model(NAME).save(tmp_path / "m")
+    with pytest.raises(RuntimeLoadError, match="use the onnxruntime backend"):
+        load_runtime(tmp_path / "m", "torch", "cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback error on a machine without a GPU")
@@ -197,12 +216,41 @@ def test_build_engine_validates_before_tensorrt(tmp_path, onnx_file):
 # --- the builder's and runtime's TensorRT calls, against a stand-in module ------------------------------------
 
 
-def fake_tensorrt(parse_ok: bool = True) -> types.ModuleType:
-    """Just enough of the TensorRT 10 API to run build_engine and TensorRTRuntime's checks; records calls."""
+class ContractError(AssertionError):
+    """A call the real TensorRT would reject or turn into undefined behaviour."""
+
+
+def fake_tensorrt(
+    parse_ok: bool = True, profile: tuple[int, int] = (1, 64), cache_from: bytes = b""
+) -> types.ModuleType:
+    """A strict stand-in for the TensorRT 10 Python API: the builder calls are recorded; the "engine" it builds is
+    the parsed ONNX graph run by ONNX Runtime on the CPU, behind TensorRT's runtime contracts:
+
+    - ``Runtime.deserialize_cuda_engine`` needs a current CUDA device set with an index (see ``strict_cuda``);
+    - tensors have modes: only INPUT tensors take ``set_input_shape``, and a shape must have the engine's rank,
+      its fixed dimensions and a batch inside the optimisation profile (else False, as TensorRT returns);
+    - an output's shape is known only after every input shape is set (-1 before);
+    - ``execute_async_v3`` needs every input shape and every I/O address set and a stream handle, reads the input
+      from its device address and writes every output to its address;
+    - a context is used by one thread at a time ("Do not call the APIs of the same IExecutionContext from
+      multiple threads at any given time"): a call while another thread is inside its set-shape → execute
+      sequence raises ``ContractError`` and is recorded in ``trt.violations``. ``execute_async_v3`` sleeps
+      (the real one releases the GIL while it enqueues), so unserialised callers do collide.
+    ``cache_from`` is the timing cache this "TensorRT" accepts; any other non-empty one is a mismatch.
+    """
+    import ctypes
+    import threading
+    import time
+
+    import onnxruntime as ort
+
     trt = types.ModuleType("tensorrt")
     trt.__version__ = "10.13.0"
-    trt.calls = []
+    trt.calls, trt.violations = [], []
     rec = trt.calls.append
+    trt.float32, trt.float16, trt.int32, trt.int8 = "float32", "float16", "int32", "int8"
+    trt.TensorIOMode = types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT", NONE="NONE")
+    NUMPY = {"float32": np.float32, "float16": np.float16}
 
     class Logger:
         WARNING = 2
@@ -223,20 +271,27 @@ def fake_tensorrt(parse_ok: bool = True) -> types.ModuleType:
         def desc(self):
             return "unsupported data type"
 
+    class Network:
+        data = b""
+
     class Parser:
         num_errors = 0 if parse_ok else 1
 
         def __init__(self, network, logger):
-            pass
+            self.network = network
 
         def parse(self, data):
             rec(("parse", len(data)))
+            self.network.data = data
             return parse_ok
 
         def get_error(self, i):
             return Error()
 
     class Cache:
+        def __init__(self, data):
+            self.data = data
+
         def serialize(self):
             return b"timing cache"
 
@@ -249,16 +304,17 @@ def fake_tensorrt(parse_ok: bool = True) -> types.ModuleType:
 
         def add_optimization_profile(self, profile):
             rec(("profile", profile.shapes))
+            self.profile = profile.shapes
 
         def create_timing_cache(self, data):
             rec(("timing_cache_in", data))
-            return Cache()
+            return Cache(data)
 
         def set_timing_cache(self, cache, ignore_mismatch):
-            pass
+            return ignore_mismatch or cache.data in (b"", cache_from)  # False: TensorRT rejected the cache
 
         def get_timing_cache(self):
-            return Cache()
+            return Cache(b"")
 
     class Profile:
         def set_shape(self, name, *shapes):
@@ -270,7 +326,7 @@ def fake_tensorrt(parse_ok: bool = True) -> types.ModuleType:
 
         def create_network(self, flags):
             rec(("create_network", flags))
-            return object()
+            return Network()
 
         def create_builder_config(self):
             return Config()
@@ -279,19 +335,146 @@ def fake_tensorrt(parse_ok: bool = True) -> types.ModuleType:
             return Profile()
 
         def build_serialized_network(self, network, config):
-            return b"serialized engine"
+            return network.data  # the "engine" is the graph itself, run by ONNX Runtime below
 
-    trt.Logger, trt.OnnxParser, trt.Builder = Logger, Parser, Builder
+    class Engine:
+        def __init__(self, data: bytes):
+            self.session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+            inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
+            self.modes = {i.name: trt.TensorIOMode.INPUT for i in inputs} | {
+                o.name: trt.TensorIOMode.OUTPUT for o in outputs
+            }
+            self.shapes = {t.name: tuple(d if isinstance(d, int) else -1 for d in t.shape) for t in inputs + outputs}
+            self.num_io_tensors = len(self.modes)
+
+        def get_tensor_name(self, i):
+            return list(self.modes)[i]
+
+        def get_tensor_mode(self, name):
+            return self.modes.get(name, trt.TensorIOMode.NONE)
+
+        def get_tensor_dtype(self, name):
+            return trt.float32
+
+        def create_execution_context(self):
+            return Context(self)
+
+    class Context:
+        def __init__(self, engine: Engine):
+            self.engine, self.input_shapes, self.addresses = engine, {}, {}
+            self.user: int | None = None  # the thread inside a set-shape → execute sequence
+
+        def _enter(self, starts: bool = False) -> None:
+            me = threading.get_ident()
+            if self.user not in (None, me):
+                trt.violations.append("context used by two threads at once")
+                raise ContractError("IExecutionContext used by two threads at once")
+            if starts:
+                self.user = me
+
+        def set_input_shape(self, name, shape):
+            self._enter(starts=True)
+            if self.engine.get_tensor_mode(name) != trt.TensorIOMode.INPUT:
+                raise ContractError(f"set_input_shape on {name!r}, which is not an input tensor")
+            fixed = self.engine.shapes[name]
+            shape = tuple(int(d) for d in shape)
+            if len(shape) != len(fixed) or any(f not in (-1, d) for f, d in zip(fixed, shape, strict=True)):
+                return False
+            if not profile[0] <= shape[0] <= profile[1]:
+                return False
+            self.input_shapes[name] = shape
+            return True
+
+        def get_tensor_shape(self, name):
+            self._enter()
+            shape = self.engine.shapes[name]
+            if self.engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT:
+                if len(self.input_shapes) < sum(m == "INPUT" for m in self.engine.modes.values()):
+                    return shape  # -1 where dynamic: not known before the input shapes
+                batch = next(iter(self.input_shapes.values()))[0]
+                return (batch, *shape[1:])
+            return self.input_shapes.get(name, shape)
+
+        def set_tensor_address(self, name, address):
+            self._enter()
+            if name not in self.engine.modes:
+                raise ContractError(f"set_tensor_address on unknown tensor {name!r}")
+            if not isinstance(address, int) or address == 0:
+                raise ContractError(f"set_tensor_address({name!r}) needs a device pointer, got {address!r}")
+            self.addresses[name] = address
+            return True
+
+        def execute_async_v3(self, stream_handle):
+            self._enter()
+            if not isinstance(stream_handle, int):
+                raise ContractError(f"execute_async_v3 needs a CUDA stream handle (int), got {stream_handle!r}")
+            missing = [n for n in self.engine.modes if n not in self.addresses]
+            missing += [n for n, m in self.engine.modes.items() if m == "INPUT" and n not in self.input_shapes]
+            if missing:
+                raise ContractError(f"execute_async_v3 before the shapes/addresses of {missing} were set")
+            feeds = {}
+            for name, shape in self.input_shapes.items():
+                size = int(np.prod(shape)) * 4
+                feeds[name] = np.frombuffer(ctypes.string_at(self.addresses[name], size), np.float32).reshape(shape)
+            time.sleep(0.005)  # the real call releases the GIL while it enqueues
+            outputs = [n for n, m in self.engine.modes.items() if m == "OUTPUT"]
+            for name, value in zip(outputs, self.engine.session.run(outputs, feeds), strict=True):
+                value = np.ascontiguousarray(value, NUMPY["float32"])
+                ctypes.memmove(self.addresses[name], value.ctypes.data, value.nbytes)
+            self.user = None
+            return True
+
+    class Runtime:
+        def __init__(self, logger):
+            pass
+
+        def deserialize_cuda_engine(self, data):
+            if CURRENT_DEVICE.get("index") is None:
+                raise ContractError("deserialize_cuda_engine with no current CUDA device set")
+            return Engine(bytes(data))
+
+    trt.Logger, trt.OnnxParser, trt.Builder, trt.Runtime = Logger, Parser, Builder, Runtime
     trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE=0)
     trt.BuilderFlag = types.SimpleNamespace(TF32="TF32")
     trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=1)
     return trt
 
 
-def test_build_engine_calls(tmp_path, onnx_file, monkeypatch):
+CURRENT_DEVICE: dict[str, int | None] = {}
+
+
+class HostStream:
+    cuda_stream = 0x5EED  # a handle, as torch.cuda.Stream.cuda_stream is
+
+    def __init__(self, device):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def strict_cuda(monkeypatch) -> None:
+    """torch.cuda without a GPU, keeping its rules: set_device parses the device with torch's own helper, which
+    raises for a device without an index; buffers live in host memory (their addresses are real)."""
+    from torch.cuda._utils import _get_device_index
+
+    import capserve.runtime.tensorrt_backend as backend
+
+    CURRENT_DEVICE.clear()
+    monkeypatch.setattr(backend, "gpu_name", lambda device="cuda": "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: CURRENT_DEVICE.update(index=_get_device_index(d)))
+    monkeypatch.setattr(torch.cuda, "Stream", HostStream)
+    monkeypatch.setattr(backend.CudaMemory, "scope", lambda self: __import__("contextlib").ExitStack())
+    monkeypatch.setattr(backend.CudaMemory, "upload", lambda self, a, dtype: torch.from_numpy(a).to(dtype).clone())
+    monkeypatch.setattr(backend.CudaMemory, "empty", lambda self, shape, dtype: torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr(backend.CudaMemory, "download", lambda self, t: t.float().numpy().copy())
+
+
+def test_build_engine_calls(tmp_path, onnx_file, monkeypatch, caplog):
     import capserve.export.tensorrt as export_trt
 
-    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt())
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt(cache_from=b"timing cache"))
     monkeypatch.setattr(export_trt, "gpu_name", lambda device="cuda": "NVIDIA H200")
     cache = tmp_path / "timing.cache"
     engine = build_engine(onnx_file, tmp_path / "model.plan", 2, 8, 64, timing_cache=cache)
@@ -299,7 +482,7 @@ def test_build_engine_calls(tmp_path, onnx_file, monkeypatch):
     assert ("create_network", 0) in calls and ("clear_flag", "TF32") in calls
     assert ("profile", ("images", (2, 3, 32, 32), (8, 3, 32, 32), (64, 3, 32, 32))) in calls
     assert ("timing_cache_in", b"") in calls and cache.read_bytes() == b"timing cache"
-    assert engine.read_bytes() == b"serialized engine"
+    assert engine.read_bytes() == onnx_file.read_bytes()  # the stand-in's "engine" is the parsed graph
     sidecar = EngineSidecar.read(sidecar_path(engine))
     assert (sidecar.tensorrt_version, sidecar.gpu_name, sidecar.max_batch) == ("10.13.0", "NVIDIA H200", 64)
     assert sidecar.onnx_sha256 == __import__("hashlib").sha256(onnx_file.read_bytes()).hexdigest()
@@ -309,9 +492,58 @@ def test_build_engine_calls(tmp_path, onnx_file, monkeypatch):
     assert ("create_network", 2) in calls and ("timing_cache_in", b"timing cache") in calls
     assert EngineSidecar.read(sidecar_path(tmp_path / "half.plan")).precision == "fp16"
 
+    assert "ignored" not in caplog.text
+    cache.write_bytes(b"a cache from another GPU")  # TensorRT ignores a foreign cache: say so
+    build_engine(onnx_file, tmp_path / "again.plan", timing_cache=cache)
+    assert f"timing cache {cache} was made by another TensorRT version or GPU" in caplog.text
+
     monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt(parse_ok=False))
     with pytest.raises(ExportError, match=r"node 7 'node_MatMul_7' \(MatMul\): unsupported data type"):
         build_engine(onnx_file, tmp_path / "bad.plan")
+
+
+@pytest.fixture
+def stand_in_engine(tmp_path, onnx_file, monkeypatch):
+    """An engine built and loaded through the strict stand-ins (batch profile 1..16)."""
+    import capserve.export.tensorrt as export_trt
+
+    trt = fake_tensorrt(profile=(1, 16))
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(export_trt, "gpu_name", lambda device="cuda": "NVIDIA H200")
+    strict_cuda(monkeypatch)
+    return build_engine(onnx_file, tmp_path / "model.plan", 1, 8, 16), trt
+
+
+def test_tensorrt_runtime_honours_the_api_contracts(stand_in_engine, runtime):
+    engine, trt = stand_in_engine
+    rt = load_runtime(engine, device="cuda")  # the README's and bentofile's value: the current device's index
+    assert CURRENT_DEVICE["index"] == 0 and rt.providers == ["TensorRT:cuda:0"]
+    for B in (1, 3, 16):
+        x = np.random.default_rng(B).standard_normal((B, 3, 32, 32)).astype(np.float32)
+        np.testing.assert_allclose(rt.predict(x), runtime.predict(x), atol=1e-5)
+    with pytest.raises(InputError, match="optimisation profile"):
+        rt.predict(np.zeros((17, 3, 32, 32), np.float32))
+    load_runtime(engine, device="cuda:3")
+    assert CURRENT_DEVICE["index"] == 3
+    with pytest.raises(ValueError, match="cuda:N"):
+        load_runtime(engine, device="cuda:x")
+    assert trt.violations == []
+
+
+def test_tensorrt_runtime_is_safe_under_concurrent_requests(stand_in_engine, runtime):
+    """Server threads call one runtime at once; each must get its own batch's answer, and the context must never
+    be used by two threads at a time (execute_async_v3 releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine, trt = stand_in_engine
+    rt = load_runtime(engine, device="cuda")
+    batches = [np.random.default_rng(i).standard_normal((1 + i % 5, 3, 32, 32)).astype(np.float32) for i in range(24)]
+    expected = [runtime.predict(x) for x in batches]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(rt.predict, batches))
+    assert trt.violations == []
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, atol=1e-5)
 
 
 def test_runtime_refuses_a_mismatched_engine_before_deserialising(tmp_path, monkeypatch):

@@ -23,7 +23,9 @@ from PIL import Image
 
 import capserve
 from capserve import images
+from capserve.checkpoint import file_sha256
 from capserve.runtime import load_runtime
+from capserve.serving import ConfigurationError, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 BENTOML = str(Path(sys.executable).with_name("bentoml"))
@@ -109,15 +111,21 @@ def server(models, tmp_path_factory):
         CAPSERVE_MAX_PIXELS=str(MAX_PIXELS),
         CAPSERVE_MAX_IMAGES=str(MAX_IMAGES),
         CAPSERVE_MAX_BATCH_SIZE="16",
-        CAPSERVE_MAX_LATENCY_MS="1000",
+        CAPSERVE_MAX_LATENCY_MS="30000",
     )
     try:
         wait_ready(proc, url, log)
         with httpx.Client(base_url=url, timeout=60) as client:
+            client.log_path, client.tmp = log, tmp  # for the log and second-server tests
             yield client
     finally:
         stop(proc)
     assert proc.returncode is not None
+
+
+@pytest.fixture
+def server_log(server) -> Path:
+    return server.log_path
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +160,12 @@ def upload(data: bytes, field: str = "image", content_type: str = "image/png") -
 
 
 def error_of(response: httpx.Response) -> str:
-    body = response.json()  # every error is JSON
-    body = body[0] if isinstance(body, list) else body
-    assert body["error"], body
-    return body["error"] if isinstance(body["error"], str) else str(body)
+    """The message of an error response, which must be exactly one JSON object {"error": "..."}."""
+    assert response.headers["content-type"] == "application/json", response.headers
+    body = response.json()
+    assert isinstance(body, dict) and list(body) == ["error"] and isinstance(body["error"], str), body
+    assert body["error"].strip(), body
+    return body["error"]
 
 
 # ------------------------------------------------------------------------------------------ predictions
@@ -239,13 +249,44 @@ def test_explain_matches_the_routing_trace(server, eager):
         trace = model.trace(torch.from_numpy(images.preprocess(data, model.config)))
     c = int(trace.logits[0].argmax())
     assert body["prediction"]["index"] == c
-    parse = trace.part_whole()[0, c].numpy()  # (H, W, I)
+    whole = trace.part_whole()[0].numpy()  # (C, H, W, I)
+    parse = whole[c]  # (H, W, I)
+    assert body["uniform"] == pytest.approx(0.1)
     for capsule in body["capsules"]:
-        assert capsule["strength"] == pytest.approx(parse[capsule["row"], capsule["col"], capsule["type"]], abs=1e-5)
-    assert body["capsules"][0]["strength"] == pytest.approx(parse.max(), abs=1e-5) and len(body["capsules"]) == 5
+        expected = parse[capsule["row"], capsule["col"], capsule["type"]]
+        assert capsule["routing_probability"] == pytest.approx(expected, abs=1e-5)
+        assert capsule["vs_uniform"] == pytest.approx(expected * 10, abs=1e-4)
+    assert body["capsules"][0]["routing_probability"] == pytest.approx(parse.max(), abs=1e-5)
+    assert len(body["capsules"]) == 5
     np.testing.assert_allclose(body["grid"], parse.mean(axis=-1), atol=1e-5)
+    entropy = -(whole * np.log(whole)).sum(axis=0) / np.log(10)  # (H, W, I): 1 where a capsule routes uniformly
+    assert body["selectivity"] == pytest.approx(1 - entropy.mean(), abs=1e-4)
     heatmap = Image.open(io.BytesIO(base64.b64decode(body["heatmap_png"])))
     assert heatmap.format == "PNG" and heatmap.size == (256, 256)
+
+
+def test_heatmap_has_a_fixed_scale_relative_to_uniform():
+    """The shipped CIFAR-10 model's grid spans 0.0998-0.1013 for 10 classes: it must look uniform (pale), not be
+    stretched to full colour; routing four times uniform is full red, a quarter is full blue."""
+    from capserve.serving import RAMP, heatmap_png, selectivity
+
+    image = np.zeros((3, 4, 4), np.uint8)
+
+    def colours(grid: np.ndarray) -> np.ndarray:
+        png = heatmap_png(image, grid, scale=1, alpha=1.0)
+        return np.asarray(Image.open(io.BytesIO(png)), dtype=float).reshape(-1, 3)
+
+    near_uniform = np.linspace(0.998, 1.013, 16).reshape(4, 4)  # × uniform
+    spread = colours(near_uniform).max(axis=0) - colours(near_uniform).min(axis=0)
+    assert spread.max() < 12, spread  # one pale colour, not blue-to-red
+    middle = (RAMP[3] + RAMP[4]) / 2
+    np.testing.assert_allclose(colours(np.ones((4, 4))), np.tile(middle, (16, 1)), atol=1)
+    np.testing.assert_allclose(colours(np.full((4, 4), 4.0))[0], RAMP[-1], atol=1)
+    np.testing.assert_allclose(colours(np.full((4, 4), 0.25))[0], RAMP[0], atol=1)
+    assert selectivity(np.full((10, 2, 2, 3), 0.1)) == pytest.approx(0, abs=1e-6)
+    one_hot = np.zeros((10, 2, 2, 3))
+    one_hot[3] = 1
+    assert selectivity(one_hot) == pytest.approx(1, abs=1e-6)
 
 
 def test_model_metadata(server):
@@ -258,7 +299,7 @@ def test_model_metadata(server):
     assert single["backend"] == "onnxruntime" and single["providers"] == ["CPUExecutionProvider"]
     assert body["multi_label"]["name"] == "multimnist-matrix-small" and body["multi_label"]["image_size"] == 36
     assert body["versions"]["capserve"] == capserve.__version__
-    assert body["batching"] == {"enabled": True, "max_batch_size": 16, "max_latency_ms": 1000}
+    assert body["batching"] == {"enabled": True, "max_batch_size": 16, "max_latency_ms": 30000}
 
 
 def test_concurrent_requests_equal_unbatched(server, models):
@@ -318,81 +359,102 @@ GOOD = random_png(7)
 BIG = np.random.default_rng(8).integers(0, 256, (300, 400, 3), dtype=np.uint8)
 JPEG = encode(np.full((32, 32, 3), 120, np.uint8), "JPEG")
 MULTIPART = "multipart/form-data; boundary=xyz"
+RAW_PNG = {"content": GOOD, "headers": {"content-type": "image/png"}}
+# The README's error table, row by row: each row's first words (as in README "Errors") → its requests
+EMPTY, NOT_IMAGE, FORM, PARAMETER, PIXELS = (
+    "an empty body or file", "bytes that are not an image", "a malformed multipart body", "a parameter out of",
+    "`/logits`: pixels",
+)  # fmt: skip
+BYTES, PIXEL_LIMIT, IMAGE_COUNT, MEDIA, SMALL = (
+    "a body over", "an image over", "more than `CAPSERVE_MAX_IMAGES`", "a content type other", "an image under 8",
+)  # fmt: skip
 BAD_INPUTS = {
-    "empty-raw-body": ("/classify", dict(content=b"", headers={"content-type": "image/png"}), {400}),
-    "empty-no-content-type": ("/classify", dict(content=b""), {400}),
-    "empty-multipart": ("/classify", dict(content=b"--xyz--\r\n", headers={"content-type": MULTIPART}), {400}),
-    "empty-file": ("/classify", upload(b""), {400}),
-    "not-an-image": ("/classify", upload(b"hello, world" * 10), {400}),
-    "not-an-image-raw": ("/classify", dict(content=b"%PDF-1.4", headers={"content-type": "image/jpeg"}), {400}),
-    "truncated-png": ("/classify", upload(random_png(9, (64, 64))[:700]), {400}),
-    "truncated-jpeg": ("/classify", upload(encode(BIG, "JPEG")[:2000], content_type="image/jpeg"), {400}),
-    "over-byte-limit": ("/classify", upload(encode(BIG, "BMP")), {413}),
-    "over-byte-limit-chunked": (
-        "/classify",
-        dict(content=chunks(encode(BIG, "BMP")), headers={"content-type": "image/bmp"}),
-        {413},
-    ),
-    "decompression-bomb": ("/classify", upload(png_header_only(100_000, 100_000)), {413}),
-    "over-pixel-limit": ("/classify", upload(png_header_only(1200, 1000)), {413}),
-    "zero-sized": ("/classify", upload(png_header_only(0, 0)), {400, 422}),
-    "1x1": ("/classify", upload(encode(np.zeros((1, 1, 3), np.uint8))), {422}),
-    "wrong-field-name": ("/classify", upload(GOOD, field="file"), {400}),
-    "field-as-text": ("/classify", dict(data={"image": "http://127.0.0.1:1/x.png"}, files={"x": ("x", b"1")}), {400}),
-    "field-not-image-type": ("/classify", upload(GOOD, content_type="text/plain"), {400, 415}),
-    "top-k-zero": ("/classify", dict(**upload(GOOD), data={"top_k": "0"}), {400, 422}),
-    "top-k-too-big": ("/classify", dict(**upload(GOOD), data={"top_k": "11"}), {400, 422}),
-    "top-k-text": ("/classify", dict(**upload(GOOD), data={"top_k": "many"}), {400, 422}),
-    "top-k-query": ("/classify?top_k=-1", dict(content=GOOD, headers={"content-type": "image/png"}), {400, 422}),
-    "threshold-zero": ("/multilabel", dict(**upload(GOOD), data={"threshold": "0"}), {400, 422}),
-    "threshold-one": ("/multilabel", dict(**upload(GOOD), data={"threshold": "1"}), {400, 422}),
-    "threshold-big": (
-        "/multilabel?threshold=1.5",
-        dict(content=GOOD, headers={"content-type": "image/png"}),
-        {400, 422},
-    ),
-    "threshold-nan": (
-        "/multilabel?threshold=nan",
-        dict(content=GOOD, headers={"content-type": "image/png"}),
-        {400, 422},
-    ),
-    "json-content-type": ("/classify", dict(json={"image": "x"}), {415}),
-    "text-content-type": ("/explain", dict(content=b"abc", headers={"content-type": "text/plain"}), {415}),
-    "malformed-multipart": (
-        "/classify",
-        dict(content=b'--xyz\r\nContent-Disposition: form-data; name="image"', headers={"content-type": MULTIPART}),
-        {400},
-    ),
-    "multipart-no-boundary": (
-        "/classify",
-        dict(content=b"abc", headers={"content-type": "multipart/form-data"}),
-        {400},
-    ),
-    "bad-query-name": ("/classify?a%0d%0ab=1", dict(content=GOOD, headers={"content-type": "image/png"}), {400}),
-    "too-many-images": (
-        "/classify_batch",
-        dict(files=[("images", ("a.png", GOOD, "image/png"))] * (MAX_IMAGES + 1)),
-        {413},
-    ),
-    "batch-with-bad-image": (
-        "/classify_batch",
-        dict(files=[("images", ("a.png", GOOD, "image/png")), ("images", ("b.png", b"junk", "image/png"))]),
-        {400},
-    ),
-    "logits-float": ("/logits", dict(json={"images": [[[[0.5] * 32] * 32] * 3]}), {400}),
-    "logits-shape": ("/logits", dict(json={"images": [[[[1] * 8] * 8] * 3]}), {400}),
-    "logits-range": ("/logits", dict(json={"images": [[[[300] * 32] * 32] * 3]}), {400}),
-}
+    "empty-raw-body": (EMPTY, "/classify", dict(content=b"", headers={"content-type": "image/png"})),
+    "empty-no-content-type": (EMPTY, "/classify", dict(content=b"")),
+    "empty-multipart": (FORM, "/classify", dict(content=b"--xyz--\r\n", headers={"content-type": MULTIPART})),
+    "empty-file": (EMPTY, "/classify", upload(b"")),
+    "not-an-image": (NOT_IMAGE, "/classify", upload(b"hello, world" * 10)),
+    "not-an-image-raw": (NOT_IMAGE, "/classify", dict(content=b"%PDF-1.4", headers={"content-type": "image/jpeg"})),
+    "truncated-png": (NOT_IMAGE, "/classify", upload(random_png(9, (64, 64))[:700])),
+    "truncated-jpeg": (NOT_IMAGE, "/classify", upload(encode(BIG, "JPEG")[:2000], content_type="image/jpeg")),
+    "batch-with-bad-image": (NOT_IMAGE, "/classify_batch", dict(files=[("images", ("a.png", GOOD, "image/png")),
+                                                                       ("images", ("b.png", b"junk", "image/png"))])),
+    "over-byte-limit": (BYTES, "/classify", upload(encode(BIG, "BMP"))),
+    "over-byte-limit-chunked": (BYTES, "/classify", dict(content=chunks(encode(BIG, "BMP")),
+                                                         headers={"content-type": "image/bmp"})),
+    "decompression-bomb": (PIXEL_LIMIT, "/classify", upload(png_header_only(100_000, 100_000))),
+    "over-pixel-limit": (PIXEL_LIMIT, "/classify", upload(png_header_only(1200, 1000))),
+    "zero-sized": (NOT_IMAGE, "/classify", upload(png_header_only(0, 0))),
+    "1x1": (SMALL, "/classify", upload(encode(np.zeros((1, 1, 3), np.uint8)))),
+    "wrong-field-name": (FORM, "/classify", upload(GOOD, field="file")),
+    "field-as-text": (FORM, "/classify", dict(data={"image": "http://127.0.0.1:1/x.png"}, files={"x": ("x", b"1")})),
+    "field-not-image-type": (MEDIA, "/classify", upload(GOOD, content_type="text/plain")),
+    "field-octet-stream": (MEDIA, "/classify", upload(GOOD, content_type="application/octet-stream")),
+    "top-k-zero": (PARAMETER, "/classify", dict(**upload(GOOD), data={"top_k": "0"})),
+    "top-k-above-labels": (PARAMETER, "/classify", dict(**upload(GOOD), data={"top_k": "11"})),
+    "top-k-above-labels-batch": (PARAMETER, "/classify_batch", dict(files=[("images", ("a.png", GOOD))],
+                                                                    data={"top_k": "11"})),
+    "top-k-text": (PARAMETER, "/classify", dict(**upload(GOOD), data={"top_k": "many"})),
+    "top-k-query": (PARAMETER, "/classify?top_k=-1", RAW_PNG),
+    "capsules-zero": (PARAMETER, "/explain?capsules=0", RAW_PNG),
+    "threshold-zero": (PARAMETER, "/multilabel", dict(**upload(GOOD), data={"threshold": "0"})),
+    "threshold-one": (PARAMETER, "/multilabel", dict(**upload(GOOD), data={"threshold": "1"})),
+    "threshold-big": (PARAMETER, "/multilabel?threshold=1.5", RAW_PNG),
+    "threshold-nan": (PARAMETER, "/multilabel?threshold=nan", RAW_PNG),
+    "bad-query-name": (PARAMETER, "/classify?a%0d%0ab=1", RAW_PNG),
+    "json-content-type": (MEDIA, "/classify", dict(json={"image": "x"})),
+    "text-content-type": (MEDIA, "/explain", dict(content=b"abc", headers={"content-type": "text/plain"})),
+    "malformed-multipart": (FORM, "/classify", dict(content=b'--xyz\r\nContent-Disposition: form-data; name="image"',
+                                                    headers={"content-type": MULTIPART})),
+    "multipart-no-boundary": (FORM, "/classify", dict(content=b"abc", headers={"content-type": "multipart/form-data"})),
+    "too-many-images": (IMAGE_COUNT, "/classify_batch",
+                        dict(files=[("images", ("a.png", GOOD, "image/png"))] * (MAX_IMAGES + 1))),
+    "logits-float": (PIXELS, "/logits", dict(json={"images": [[[[0.5] * 32] * 32] * 3]})),
+    "logits-shape": (PIXELS, "/logits", dict(json={"images": [[[[1] * 8] * 8] * 3]})),
+    "logits-range": (PIXELS, "/logits", dict(json={"images": [[[[300] * 32] * 32] * 3]})),
+}  # fmt: skip
+
+
+def readme_errors() -> dict[str, int]:
+    """The README's error table: each row's text → its status."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| status | error |") :].split("\n\n")[0].splitlines()[2:]
+    rows = {}
+    for line in table:
+        status, reason = (cell.strip() for cell in line.strip("|").split("|")[:2])
+        rows[reason] = int(status)
+    return rows
+
+
+def readme_row(prefix: str) -> tuple[str, int]:
+    (row,) = [(reason, status) for reason, status in readme_errors().items() if reason.startswith(prefix)]
+    return row
+
+
+def test_every_readme_error_row_is_tested():
+    tested = {readme_row(prefix)[0] for prefix, *_ in BAD_INPUTS.values()} | {readme_row(p)[0] for p in SERVER_ROWS}
+    assert tested == set(readme_errors()), set(readme_errors()) - tested
 
 
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
-def test_bad_input_gets_a_clear_4xx_and_serving_goes_on(server, name):
-    path, request, statuses = BAD_INPUTS[name]
+def test_bad_input_gets_the_readme_status_and_one_json_error(server, name):
+    row, path, request = BAD_INPUTS[name]
+    reason, status = readme_row(row)
     r = server.post(path, **request)
-    assert r.status_code in statuses, (r.status_code, r.text)
+    assert r.status_code == status, (reason, r.status_code, r.text)
     assert error_of(r)
     good = server.post("/classify", **upload(GOOD))
     assert good.status_code == 200, good.text
+
+
+def test_a_bad_request_logs_one_line(server, server_log):
+    server.post("/classify", **upload(GOOD), data={"top_k": "0"})
+    server.post("/classify", **upload(b"junk"))
+    time.sleep(0.5)
+    log = server_log.read_text()
+    assert "POST /classify 400 top_k: Input should be greater than or equal to 1" in log
+    assert "POST /classify 400 the image:" in log
+    assert "Traceback" not in log and "Exception on /classify" not in log
 
 
 @pytest.mark.parametrize(
@@ -405,6 +467,51 @@ def test_odd_but_valid_input_is_served(server, eager, data, content_type):
     assert r.status_code == 200, r.text
     best = r.json()["predictions"][0]
     assert best["index"] == int(np.argmax(eager_logits(eager["cifar10"], data)))
+
+
+SERVER_ROWS = ("an endpoint whose model", "a request queued")  # README rows the second server below tests
+
+
+def requests_total(client: httpx.Client, endpoint: str) -> float:
+    total = 0.0
+    for line in client.get("/metrics").text.replace(", ", ",").splitlines():
+        if line.startswith("bentoml_service_request_total{") and f'endpoint="{endpoint}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_second_server_keeps_the_first_ones_metrics_and_answers_501_and_503(server, models):
+    """Started beside the first with the same BENTOML_HOME (the shared Prometheus folder used to be wiped), with
+    no multi-label model, no explanation graph (501s) and a 1 ms batching budget (503s)."""
+    for _ in range(3):
+        server.post("/classify", **upload(GOOD))
+    before = requests_total(server, "/classify")
+    bare = server.tmp / "bare"
+    bare.mkdir(exist_ok=True)
+    for name in ("config.json", "model.safetensors", "model.onnx"):
+        (bare / name).write_bytes((models["cifar10"] / name).read_bytes())
+    proc, url, log = start_server(server.tmp, CAPSERVE_MODEL=str(bare), CAPSERVE_MULTILABEL_MODEL="none",
+                                  CAPSERVE_MAX_LATENCY_MS="1", CAPSERVE_MAX_BATCH_SIZE="4")  # fmt: skip
+    try:
+        wait_ready(proc, url, log)
+        assert requests_total(server, "/classify") >= before >= 3
+        with httpx.Client(base_url=url, timeout=60) as second:
+            for path in ("/multilabel", "/explain"):
+                r = second.post(path, **upload(GOOD))
+                assert r.status_code == readme_row(SERVER_ROWS[0])[1] == 501, r.text
+                assert "CAPSERVE_MULTILABEL_MODEL" in error_of(r) or "--explain" in error_of(r)
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                return await asyncio.gather(*(client.post("/classify", **upload(GOOD)) for _ in range(48)))
+
+        responses = asyncio.run(burst())
+        assert {r.status_code for r in responses} <= {200, 503}
+        overloaded = [r for r in responses if r.status_code == readme_row(SERVER_ROWS[1])[1] == 503]
+        assert overloaded, "48 concurrent requests with a 1 ms batching budget should overload it"
+        assert all(error_of(r) for r in overloaded)
+    finally:
+        stop(proc)
 
 
 def test_metrics_readyz_livez(server):
@@ -421,13 +528,18 @@ def test_metrics_readyz_livez(server):
 
 
 def failed_start(tmp: Path, **env: str) -> str:
+    """Start a server that cannot load its model: it must stop by itself with exit status 3 (not 0, which
+    supervisors and orchestrators read as success; not respawning its worker forever)."""
     proc, _, log = start_server(tmp, CAPSERVE_MULTILABEL_MODEL="none", **env)
     try:
         proc.wait(90)
     except subprocess.TimeoutExpired:
         stop(proc)
         pytest.fail(f"the server kept running with a broken model:\n{log.read_text()[-2000:]}")
-    return log.read_text()
+    text = log.read_text()
+    assert proc.returncode == 3, f"exit status {proc.returncode}:\n{text[-2000:]}"
+    assert "capserve cannot start" in text
+    return text
 
 
 def test_corrupt_model_fails_startup(models, tmp_path):
@@ -436,8 +548,7 @@ def test_corrupt_model_fails_startup(models, tmp_path):
     for name in ("config.json", "model.safetensors"):
         (broken / name).write_bytes((models["cifar10"] / name).read_bytes())
     (broken / "model.onnx").write_bytes((models["cifar10"] / "model.onnx").read_bytes()[:5000])
-    log = failed_start(tmp_path, CAPSERVE_MODEL=str(broken))
-    assert "capserve cannot start" in log and "is not a loadable ONNX model" in log
+    assert "is not a loadable ONNX model" in failed_start(tmp_path, CAPSERVE_MODEL=str(broken))
 
 
 def test_missing_artifact_fails_startup(models, tmp_path):
@@ -448,15 +559,19 @@ def test_missing_artifact_fails_startup(models, tmp_path):
     assert "has no model.onnx" in log and "capserve export onnx" in log
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-only torch asked for CUDA")
+def test_torch_backend_on_cuda_without_cuda_fails_startup_clearly(models, tmp_path):
+    """The GPU bento's preset CAPSERVE_DEVICE=cuda with the torch backend and a CPU torch: an uncaught
+    AssertionError made BentoML respawn the worker forever."""
+    log = failed_start(tmp_path, CAPSERVE_MODEL=str(models["cifar10"]), CAPSERVE_BACKEND="torch",
+                       CAPSERVE_DEVICE="cuda")  # fmt: skip
+    assert "this torch" in log and "use the onnxruntime backend" in log
+
+
 # ------------------------------------------------------------------------------------------ settings, build
 
 
 def test_settings_from_env():
-    sys.path.insert(0, str(ROOT))
-    try:
-        from service import ConfigurationError, Settings
-    finally:
-        sys.path.remove(str(ROOT))
     s = Settings.from_env({"CAPSERVE_MAX_BATCH_SIZE": "4", "CAPSERVE_BACKEND": "torch", "CAPSERVE_ITERATIONS": "3"})
     assert (s.max_batch_size, s.backend, s.iterations, s.model) == (4, "torch", 3, "models/cifar10")
     for env, message in [
@@ -469,17 +584,107 @@ def test_settings_from_env():
             Settings.from_env(env)
 
 
-@pytest.mark.slow
-def test_bentoml_build(tmp_path):
-    env = {**os.environ, "BENTOML_HOME": str(tmp_path), "BENTOML_DO_NOT_TRACK": "True"}
-    r = subprocess.run(
-        [BENTOML, "build", "--output", "tag"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+# ------------------------------------------------------------------------------------------ model store, bentos
+
+
+@pytest.fixture(scope="module")
+def store(models, tmp_path_factory) -> Path:
+    """A temporary BENTOML_HOME (its parent, as start_server takes it) whose model store holds the tiny models
+    under the names the bentofiles declare, saved by `capserve export bentoml` (the explanation graph made on the
+    way for multimnist, which lacks one)."""
+    tmp = tmp_path_factory.mktemp("store")
+    env = {**os.environ, "BENTOML_HOME": str(tmp / "bentoml"), "BENTOML_DO_NOT_TRACK": "True"}
+    script = ("import sys; from capserve.cli import main\n"
+              "for model, name in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+              "    assert main(['export', 'bentoml', model, '--name', name]) == 0")  # fmt: skip
+    args = [str(models["cifar10"]), "capserve-cifar10", str(models["multimnist"]), "capserve-multimnist"]
+    r = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    bento = next((tmp_path / "bentos" / "capserve").glob("*/bento.yaml"))
+    assert r.stdout.count("capserve-") == 2, r.stdout
+    return tmp
+
+
+def stored(store: Path, name: str) -> Path:
+    (folder,) = (store / "bentoml" / "models" / name).glob("*/")
+    return folder
+
+
+def test_export_bentoml_saves_the_whole_model_folder(store, models):
+    import yaml
+
+    folder = stored(store, "capserve-multimnist")
+    info = yaml.safe_load((folder / "model.yaml").read_text())
+    assert info["labels"] == {"task": "multi_label", "dataset": "multimnist", "config": "multimnist-matrix-small"}
+    assert info["metadata"]["iterations"] == 2 and info["metadata"]["classes"] == 10
+    assert info["metadata"]["weights_sha256"] == file_sha256(models["multimnist"] / "model.safetensors")
+    assert {"config.json", "model.safetensors", "model.onnx", "model-explain.onnx"} <= {
+        p.name for p in folder.iterdir()
+    }
+    assert not (models["multimnist"] / "model-explain.onnx").exists()  # made in the store, not in the source
+    assert load_runtime(folder / "model-explain.onnx").explainable
+
+
+def test_export_bentoml_refuses_stale_graphs_and_non_models(models, tmp_path, capsys):
+    from capserve.cli import main
+
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (stale / name).write_bytes((models["multimnist"] / name).read_bytes())
+    (stale / "model.onnx").write_bytes((models["cifar10"] / "model.onnx").read_bytes())  # another model's graph
+    assert main(["export", "bentoml", str(stale), "--name", "x"]) == 2
+    assert "was exported from other weights" in capsys.readouterr().err
+    assert main(["export", "bentoml", str(tmp_path), "--name", "x"]) == 2
+    assert "is not a model directory" in capsys.readouterr().err
+
+
+def test_serving_from_the_model_store(store, eager):
+    """CAPSERVE_MODEL=NAME[:VERSION] from BentoML's model store, with the real `bentoml serve`."""
+    version = stored(store, "capserve-cifar10").name
+    proc, url, log = start_server(store, CAPSERVE_MODEL=f"capserve-cifar10:{version}",
+                                  CAPSERVE_MULTILABEL_MODEL="capserve-multimnist")  # fmt: skip
+    try:
+        wait_ready(proc, url, log)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            body = client.get("/model").json()
+            assert body["single_label"]["tag"] == f"capserve-cifar10:{version}"
+            assert body["multi_label"]["tag"].startswith("capserve-multimnist:")
+            r = client.post("/classify?top_k=10", content=GOOD, headers={"content-type": "image/png"})
+            got = {p["index"]: p["probability"] for p in r.json()["predictions"]}
+            np.testing.assert_allclose([got[i] for i in range(10)], softmax(eager_logits(eager["cifar10"], GOOD)),
+                                       atol=1e-5)  # fmt: skip
+            assert client.post("/explain", content=GOOD, headers={"content-type": "image/png"}).status_code == 200
+    finally:
+        stop(proc)
+    log_text = failed_start(store, CAPSERVE_MODEL="capserve-nothing")
+    assert "nor a model in BentoML's model store" in log_text and "capserve export bentoml" in log_text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bentofile, name, device", [("bentofile.yaml", "capserve", "gpu"),
+                                                      ("bentofile-cpu.yaml", "capserve-cpu", "cpu")])  # fmt: skip
+def test_bentoml_build(store, bentofile, name, device):
+    import yaml
+
+    env = {**os.environ, "BENTOML_HOME": str(store / "bentoml"), "BENTOML_DO_NOT_TRACK": "True"}
+    r = subprocess.run([BENTOML, "build", "-f", bentofile, "--output", "tag"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    (bento,) = (store / "bentoml" / "bentos" / name).glob("*/bento.yaml")
+    info = yaml.safe_load(bento.read_text())
+    packed = {m["tag"] for m in info["models"]}
+    assert packed == {f"{n}:{stored(store, n).name}" for n in ("capserve-cifar10", "capserve-multimnist")}
+    envs = {e["name"]: e["value"] for e in info["envs"]}
+    assert envs["CAPSERVE_MODEL"] == "capserve-cifar10" and envs["CAPSERVE_DEVICE"] == (
+        "cuda" if device == "gpu" else "cpu"
+    )
+    requirements = (bento.parent / "env" / "python" / "requirements.txt").read_text()
     dockerfile = (bento.parent / "env" / "docker" / "Dockerfile").read_text()
-    assert "nvidia/cuda:12" in dockerfile
-    assert "onnxruntime-gpu" in (bento.parent / "env" / "python" / "requirements.txt").read_text()
+    if device == "gpu":
+        assert "onnxruntime-gpu>=1.21,<1.27" in requirements and "nvidia/cuda:12.8" in dockerfile
+    else:
+        assert "onnxruntime-gpu" not in requirements and "onnxruntime" in requirements and "nvidia" not in dockerfile
     assert (bento.parent / "src" / "service.py").is_file() and (
-        bento.parent / "src" / "capserve" / "images.py"
+        bento.parent / "src" / "capserve" / "serving.py"
     ).is_file()
+    assert not (bento.parent / "src" / "models").exists()  # models come from the store, not the source tree

@@ -23,6 +23,13 @@ CPU = "CPUExecutionProvider"
 Provider = str | tuple[str, dict[str, Any]]
 
 
+# cuDNN's convolution algorithm search: ONNX Runtime's default, EXHAUSTIVE, benchmarks every algorithm for each
+# new input shape, and adaptive batching sends every batch size from 1 to CAPSERVE_MAX_BATCH_SIZE, so requests
+# would pay a tuning run whenever a new size comes along (or start-up would have to warm up every size).
+# HEURISTIC picks from cuDNN's heuristics without benchmarking: no per-shape cost, no warm-up per size needed.
+CONV_ALGO_SEARCH = "HEURISTIC"
+
+
 def providers_for(device: str) -> list[Provider]:
     """Execution providers for a device: "cpu" → CPU; "cuda" / "cuda:N" → CUDA (device N), then CPU."""
     if device == "cpu":
@@ -31,8 +38,22 @@ def providers_for(device: str) -> list[Provider]:
         index = device.partition(":")[2] or "0"
         if not index.isdigit():
             raise ValueError(f"bad device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
-        return [("CUDAExecutionProvider", {"device_id": int(index)}), CPU]
+        return [("CUDAExecutionProvider", {"device_id": int(index), "cudnn_conv_algo_search": CONV_ALGO_SEARCH}), CPU]
     raise ValueError(f"unknown device {device!r} for onnxruntime: use 'cpu', 'cuda' or 'cuda:N'")
+
+
+def installed_onnxruntimes() -> list[str]:
+    """The ONNX Runtime distributions installed: more than one means a broken install (they share one module)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            version(name)
+            found.append(name)
+        except PackageNotFoundError:
+            pass
+    return found
 
 
 def _name(provider: Provider) -> str:
@@ -63,6 +84,12 @@ class OnnxRuntime(Runtime):
         except ImportError as e:
             raise RuntimeLoadError("onnxruntime is not installed: pip install 'capserve[export]' "
                                    "(or 'capserve[gpu]' for onnxruntime-gpu on NVIDIA machines)") from e  # fmt: skip
+        if len(installed_onnxruntimes()) > 1:
+            raise RuntimeLoadError("both onnxruntime and onnxruntime-gpu are installed: they install one module, "
+                                   "and mixed they leave no working CUDA provider. GPU machines: `pip uninstall -y "
+                                   "onnxruntime onnxruntime-gpu && pip install 'capserve[gpu]'`; CPU machines: "
+                                   "`pip uninstall -y onnxruntime-gpu onnxruntime && pip install "
+                                   "'capserve[serve]'`")  # fmt: skip
         if graph_optimization not in OPTIMIZATION_LEVELS:
             raise ValueError(f"graph_optimization must be one of {OPTIMIZATION_LEVELS}, got {graph_optimization!r}")
         self.path = Path(path)

@@ -7,9 +7,11 @@ the model's metadata; the runtime refuses a mismatch before deserialising anythi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,44 +132,91 @@ class EngineSidecar:
             )
 
 
+class CudaMemory:
+    """The CUDA side of a TensorRT runtime, in torch: the device (with its index), one stream, buffers, copies.
+
+    ``torch.cuda.set_device`` needs an index ("cuda" alone raises ValueError), so "cuda" means the current device.
+    """
+
+    def __init__(self, device: str):
+        import torch
+
+        index = torch.device(device).index
+        self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        torch.cuda.set_device(self.device)
+        self.stream = torch.cuda.Stream(self.device)
+
+    @property
+    def stream_handle(self) -> int:
+        return self.stream.cuda_stream
+
+    def scope(self) -> contextlib.ExitStack:
+        """Make this device and stream current (torch's allocations and copies go there)."""
+        import torch
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self.stream))
+        return stack
+
+    def upload(self, array: np.ndarray, dtype: Any) -> Any:
+        import torch
+
+        return torch.from_numpy(array).to(self.device, dtype, non_blocking=True)
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        import torch
+
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def download(self, tensor: Any) -> np.ndarray:
+        """float32 host copy; waits for the stream (the engine's results are complete after it)."""
+        result = tensor.float().cpu()
+        self.stream.synchronize()
+        return result.numpy()
+
+
 class TensorRTRuntime(Runtime):
     """A TensorRT engine; input and output buffers are torch CUDA tensors.
 
+    One execution context, used by one thread at a time: TensorRT's contexts are not thread-safe, and
+    ``execute_async_v3`` releases the GIL, so concurrent requests (the server's worker threads) would overwrite
+    each other's shapes and addresses. A lock serialises the whole set-shape/set-address/execute/copy sequence;
+    the GPU runs one batch at a time anyway, and adaptive batching merges concurrent requests.
+
     Args:
         path: engine file (.plan/.engine) with its ``.json`` sidecar beside it.
-        device: "cuda" or "cuda:N".
+        device: "cuda" (the current device) or "cuda:N".
     """
 
     backend = "tensorrt"
 
     def __init__(self, path: str | Path, device: str = "cuda"):
         self.path = Path(path)
-        if not (device == "cuda" or device.startswith("cuda:")):
+        if not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
             raise ValueError(f"TensorRT engines run on a GPU: use device='cuda' or 'cuda:N', got {device!r}")
         self.sidecar = EngineSidecar.read(sidecar_path(self.path))
         self.metadata = self.sidecar.metadata
         self.precision = self.sidecar.precision
         trt = import_tensorrt()
-        import torch
-
-        self.device = torch.device(device)
         data = self.path.read_bytes()
         self.sidecar.check(self.path, data, trt.__version__, gpu_name(device))
-        torch.cuda.set_device(self.device)
+        self.memory = CudaMemory(device)
+        self.device = self.memory.device
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self.engine = self._runtime.deserialize_cuda_engine(data)
         if self.engine is None:
             raise RuntimeLoadError(f"TensorRT could not deserialise {self.path} (see its log above); rebuild it")
-        self.context = self.engine.create_execution_context()
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self._inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
-        self._outputs = [n for n in names if n not in self._inputs]
+        self._outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
         if self._inputs != [self.sidecar.input_name] or LOGITS not in self._outputs:
             raise RuntimeLoadError(f"{self.path} has inputs {self._inputs} and outputs {self._outputs}; its sidecar "
                                    f"says {self.sidecar.input_name!r} → {list(self.sidecar.outputs)}")  # fmt: skip
         self._dtypes = {n: _torch_dtype(trt, self.engine.get_tensor_dtype(n)) for n in names}
-        self._stream = torch.cuda.Stream(self.device)
+        self.context = self.engine.create_execution_context()
+        self._lock = threading.Lock()
 
     @property
     def providers(self) -> list[str]:
@@ -179,22 +228,20 @@ class TensorRTRuntime(Runtime):
         return batch
 
     def _run(self, batch: np.ndarray, outputs: list[str]) -> list[np.ndarray]:
-        import torch
-
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            x = torch.from_numpy(batch).to(self.device, self._dtypes[self.sidecar.input_name], non_blocking=True)
-            if not self.context.set_input_shape(self.sidecar.input_name, tuple(x.shape)):
+        name = self.sidecar.input_name
+        with self._lock, self.memory.scope():
+            x = self.memory.upload(batch, self._dtypes[name])
+            if not self.context.set_input_shape(name, tuple(x.shape)):
                 raise InputError(f"TensorRT refused input shape {tuple(x.shape)}")
-            self.context.set_tensor_address(self.sidecar.input_name, x.data_ptr())
+            self.context.set_tensor_address(name, x.data_ptr())
             buffers = {}
-            for name in self._outputs:  # every output needs an address, wanted or not
-                shape = tuple(self.context.get_tensor_shape(name))
-                buffers[name] = torch.empty(shape, dtype=self._dtypes[name], device=self.device)
-                self.context.set_tensor_address(name, buffers[name].data_ptr())
-            if not self.context.execute_async_v3(self._stream.cuda_stream):
+            for output in self._outputs:  # every output needs an address, wanted or not
+                shape = tuple(self.context.get_tensor_shape(output))
+                buffers[output] = self.memory.empty(shape, self._dtypes[output])
+                self.context.set_tensor_address(output, buffers[output].data_ptr())
+            if not self.context.execute_async_v3(self.memory.stream_handle):
                 raise RuntimeError(f"TensorRT failed to run {self.path} (see its log above)")
-            results = [buffers[n].float().cpu() for n in outputs]  # .cpu() waits for the stream
-        return [r.numpy() for r in results]
+            return [self.memory.download(buffers[n]) for n in outputs]  # the stream is done before the lock opens
 
     def _predict(self, batch: np.ndarray) -> np.ndarray:
         return self._run(batch, [LOGITS])[0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -11,18 +10,9 @@ import numpy as np
 import torch
 
 import capserve
-from capserve.checkpoint import WEIGHTS, CheckpointError
+from capserve.checkpoint import WEIGHTS, CheckpointError, file_sha256
 from capserve.model import RoutingTrace
 from capserve.runtime.base import Explanation, ModelMetadata, Runtime, RuntimeLoadError
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,6 +37,15 @@ class TorchRuntime(Runtime):
         self.autocast = AUTOCAST[precision]
         try:
             self.device = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"bad device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from e
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            # a CPU wheel raises AssertionError("Torch not compiled with CUDA enabled") on the first CUDA call
+            why = "is a CPU build" if torch.version.cuda is None else "sees no CUDA GPU"
+            raise RuntimeLoadError(f"device {device!r} asked for, but this torch ({torch.__version__}) {why}: install "
+                                   "a CUDA build of torch, or use the onnxruntime backend (onnxruntime-gpu) or the "
+                                   "cpu device")  # fmt: skip
+        try:
             self.model = capserve.load(path, self.device)
         except (CheckpointError, RuntimeError) as e:
             raise RuntimeLoadError(str(e)) from e

@@ -1,0 +1,76 @@
+"""The package as users install it: build the wheel, install it with its [export,serve] extras into a fresh
+virtual environment, and use it from a folder outside the checkout.
+
+An editable install hides packaging mistakes (a subpackage missing from the wheel still imports from the
+checkout), so every other test would pass with a broken wheel. ~1-2 min: most of it is pip installing torch
+(the local CPU build first, so that nothing pulls a CUDA one) and the extras' dependencies.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CIFAR10 = ROOT / "models" / "cifar10"
+
+
+def source_modules() -> set[str]:
+    """Every module the checkout has, named as installed (export/ installs as capserve.export)."""
+    names = set()
+    for base, prefix in ((ROOT / "capserve", "capserve"), (ROOT / "export", "capserve.export")):
+        for path in base.rglob("*.py"):
+            parts = [prefix, *path.relative_to(base).with_suffix("").parts]
+            names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def run(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600) -> str:
+    r = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{' '.join(args)} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    dist = tmp_path / "dist"
+    run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(dist)],
+        tmp_path, env)  # fmt: skip
+    (wheel,) = dist.glob("capserve-*.whl")
+
+    venv.create(tmp_path / "venv", with_pip=True)
+    python = tmp_path / "venv" / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    run([*pip, "torch==2.13.0"], tmp_path, env)  # the CPU build (a bare range would pull a multi-GB CUDA one)
+    run([*pip, f"{wheel}[export,serve]"], tmp_path, env)
+
+    work = tmp_path / "elsewhere"  # outside the checkout: nothing can import from the source tree
+    work.mkdir()
+    expected = sorted(source_modules())
+    imported = run([str(python), "-c", "import importlib, sys\n"
+                    "for name in sys.argv[1:]:\n"
+                    "    module = importlib.import_module(name)\n"
+                    "    print(module.__file__)", *expected], work, env).split()  # fmt: skip
+    assert len(imported) == len(expected)
+    assert all(str(tmp_path / "venv") in path for path in imported), imported  # the wheel's, not the checkout's
+
+    model = work / "cifar10"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(CIFAR10 / name, model / name)
+    capserve = str(tmp_path / "venv" / "bin" / "capserve")
+    assert (
+        run([capserve, "export", "onnx", "cifar10", "-o", "cifar10/model.onnx"], work, env)
+        .strip()
+        .endswith("model.onnx")
+    )
+    out = run([capserve, "verify", "cifar10/model.onnx", "--against", "cifar10", "--batch-sizes", "1,5"], work, env)
+    assert "cifar10-resnet, T=2, fp32, onnxruntime on CPUExecutionProvider" in out and out.strip().endswith("passed")
