@@ -17,7 +17,7 @@ from capserve.serving import Classification, Explained, MultiLabel
 
 ImageFile = Annotated[Path, ContentType("image/*")]
 serving.prepare_server_process()  # exit status 3 when the model cannot load, own /metrics folder, quiet 4xx logs
-SETTINGS = serving.Settings.from_env()  # read at import: the batching limits go into the API decorators
+SETTINGS = serving.settings_or_exit()  # read at import: the batching limits go into the API decorators
 BATCH = dict(batchable=True, max_batch_size=max(SETTINGS.max_batch_size, 2), max_latency_ms=SETTINGS.max_latency_ms)
 
 

@@ -559,6 +559,12 @@ def test_missing_artifact_fails_startup(models, tmp_path):
     assert "has no model.onnx" in log and "capserve export onnx" in log
 
 
+def test_bad_setting_fails_startup_without_a_traceback(models, tmp_path):
+    """Settings are read when BentoML imports the service: a bad one gave a traceback and exit status 1."""
+    log = failed_start(tmp_path, CAPSERVE_MODEL=str(models["cifar10"]), CAPSERVE_MAX_BATCH_SIZE="lots")
+    assert "CAPSERVE_MAX_BATCH_SIZE" in log and "Traceback" not in log
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-only torch asked for CUDA")
 def test_torch_backend_on_cuda_without_cuda_fails_startup_clearly(models, tmp_path):
     """The GPU bento's preset CAPSERVE_DEVICE=cuda with the torch backend and a CPU torch: an uncaught
