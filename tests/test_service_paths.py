@@ -141,21 +141,27 @@ def test_explain_through_torch_is_the_routing_trace(torch_server, eager):
     _, W, I = parse.shape
     got = [(cap["row"] * W + cap["col"]) * I + cap["type"] for cap in body["capsules"]]
     assert got == expected.tolist()
-    np.testing.assert_allclose([cap["strength"] for cap in body["capsules"]], parse.reshape(-1)[expected], atol=1e-5)
+    probabilities = parse.reshape(-1)[expected]
+    np.testing.assert_allclose([cap["routing_probability"] for cap in body["capsules"]], probabilities, atol=1e-5)
+    C = trace.logits.shape[1]
+    assert body["uniform"] == pytest.approx(1 / C)
+    np.testing.assert_allclose([cap["vs_uniform"] for cap in body["capsules"]], probabilities * C, atol=1e-4)
     np.testing.assert_allclose(body["grid"], parse.mean(axis=-1), atol=1e-5)
-    # the heat-map is the grid painted over this image, pixel for pixel (±1 for float32 rounding of the grid)
+    # the heat-map is the grid, as multiples of uniform, painted over this image pixel for pixel (±1 for float32
+    # rounding of the grid)
     heatmap = np.asarray(Image.open(io.BytesIO(base64.b64decode(body["heatmap_png"]))), dtype=int)
-    expected_png = heatmap_png(pixels[3], np.asarray(body["grid"], np.float32))
+    expected_png = heatmap_png(pixels[3], np.asarray(body["grid"], np.float32) * C)
     assert np.abs(heatmap - np.asarray(Image.open(io.BytesIO(expected_png)), dtype=int)).max() <= 1
 
 
 def test_heatmap_paints_the_grid_over_the_image():
-    """Literal colours: a grid low on the left, high on the right, over a white and black image; alpha 0.55."""
+    """Literal colours: a grid low on the left, high on the right, over a white and black image; alpha 0.55.
+    The scale is fixed: 1/4 of uniform or less is the ramp's blue end, 4× or more its red end, uniform its middle."""
     from capserve.serving import RAMP
 
     image = np.zeros((3, 4, 4), np.uint8)
     image[:, :2] = 255  # top half white, bottom half black
-    grid = np.array([[0.0, 0.0, 1.0, 1.0]] * 4, np.float32)  # (h, w): left low, right high
+    grid = np.array([[0.25, 0.25, 4.0, 4.0]] * 4, np.float32)  # (h, w), multiples of uniform: left low, right high
     out = np.asarray(Image.open(io.BytesIO(heatmap_png(image, grid, scale=8))), dtype=float)
     assert out.shape == (32, 32, 3)
     blue, red = RAMP[0], RAMP[-1]  # the ends of the ramp
