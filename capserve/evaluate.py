@@ -369,5 +369,5 @@ def run(args: argparse.Namespace) -> int:
                   f"{main['support'][i]:7d}")  # fmt: skip
         print("confusion matrix (rows true, columns predicted):")
         for lab, row in zip(c.labels, main["confusion"], strict=True):
-            print(f"{lab[:10]:>10} " + " ".join(f"{v:5d}" for v in row))
+            print(f"{lab:>{width}} " + " ".join(f"{v:5d}" for v in row))
     return 0
