@@ -224,7 +224,8 @@ def calibrate(checkpoint: str | Path, data: str | Path, batch_size: int = 250,
     return thresholds
 
 
-def plot_iterations(results: dict[int, dict[str, Any]], key: str, png: Path, title: str) -> Path | None:
+def _pyplot(png: Path) -> Any:
+    """matplotlib.pyplot on the Agg backend, or None (with a log line naming ``png``) when it is not installed."""
     try:
         import matplotlib
 
@@ -232,6 +233,13 @@ def plot_iterations(results: dict[int, dict[str, Any]], key: str, png: Path, tit
         import matplotlib.pyplot as plt
     except ImportError:
         log.info("matplotlib is not installed: skipping %s (pip install 'capserve[train]')", png)
+        return None
+    return plt
+
+
+def plot_iterations(results: dict[int, dict[str, Any]], key: str, png: Path, title: str) -> Path | None:
+    plt = _pyplot(png)
+    if plt is None:
         return None
     Ts = sorted(results)
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -249,13 +257,8 @@ def plot_iterations(results: dict[int, dict[str, Any]], key: str, png: Path, tit
 
 def plot_confusion(confusion: list[list[int]], labels: Sequence[str], png: Path, title: str) -> Path | None:
     """The confusion matrix as a PNG with the label names (rows true, columns predicted; counts for ≤ 30 labels)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.info("matplotlib is not installed: skipping %s (pip install 'capserve[train]')", png)
+    plt = _pyplot(png)
+    if plt is None:
         return None
     C = len(labels)
     side = min(4 + 0.45 * C, 40)

@@ -16,6 +16,11 @@ cosine to 0). With ``--time-budget`` the cosine and one-cycle schedules run on m
 so the lr reaches 0 when the budget ends whatever the speed of the machine; the run then stops cleanly and keeps its
 best checkpoint. Such a run depends on timing, so only runs without a time budget resume bit-exactly.
 
+Your own images (``--data`` a folder of label folders or a CSV manifest, see ``capserve.userdata``): the model's labels,
+task and input size (``--image-size``) come from the data; images are decoded once into a cache in the run folder;
+validation is the data's ``val`` split or ``--val-size`` (default 10 %) carved from train; multi-label runs calibrate
+per-class thresholds on validation at the end. ``--init MODEL_DIR`` fine-tunes from a trained model.
+
 Multi-GPU / multi-node: ``torchrun --nproc_per_node N -m capserve.cli train ...``. ``--batch-size`` is the global
 batch; each of the N processes takes its slice of the same seeded order (NCCL on GPUs, gloo on CPUs).
 """
@@ -41,8 +46,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from capserve.checkpoint import WEIGHTS, read_config, save_model
 from capserve.checkpoint import load as load_model
+from capserve.checkpoint import read_config, save_model
 from capserve.configs import get_config, list_models
 from capserve.data import Data, Split, dataset_for, load_test, load_training, parse_val_size, random_crop_flip
 from capserve.model import CapsNet
@@ -355,11 +360,9 @@ def init_from(model: CapsNet, directory: str | Path) -> dict[str, Any]:
     The class capsule layer starts afresh when the labels differ, even where its shapes happen to match.
     Returns ``{"from", "loaded", "new"}`` with the tensor names.
     """
-    from safetensors.torch import load_file as load_tensors
-
     directory = Path(directory)
-    source = read_config(directory)  # a clear CheckpointError for a folder that is not a model
-    weights = load_tensors(str(directory / WEIGHTS))
+    source_model = load_model(directory)  # a clear CheckpointError for a folder that is not a model
+    source, weights = source_model.config, source_model.state_dict()
     class_layer = f"capsules.{len(model.capsules) - 1}."
     relabelled = tuple(source.labels) != tuple(model.config.labels)
     loaded, new = {}, []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -251,6 +252,22 @@ def test_training_on_a_folder(run, folder):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] and "val_acc" in rows[0]
     assert (out / userdata.CACHE_FILE).is_file()
+
+
+def test_resume_reuses_the_cache(run, caplog):
+    out, _ = run
+    with caplog.at_level(logging.INFO):
+        assert main(["train", "--resume", str(out)]) == 0  # the run is complete: nothing to train
+    assert "decoded images reused" in caplog.text and "decoding" not in caplog.text.replace("decoded images", "")
+
+
+def test_image_size_is_for_own_images(tmp_path, capsys):
+    from test_train import write_easy_cifar10
+
+    cifar = write_easy_cifar10(tmp_path / "c").parent
+    assert main(["train", "--model", "cifar10-simple", "--data", str(cifar), "--out", str(tmp_path / "r"),
+                 "--image-size", "16"]) == 2  # fmt: skip
+    assert "--image-size works with your own images" in capsys.readouterr().err
 
 
 def test_evaluate_json_and_confusion_png(run, folder, tmp_path, capsys):
