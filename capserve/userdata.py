@@ -105,9 +105,10 @@ class InputSize:
 
 
 def is_own_data(path: str | Path) -> bool:
-    """True for a CSV file or a folder without built-in dataset files (CIFAR pickles, MNIST IDX, packs)."""
+    """True for a CSV (or any other file: ``scan`` says what it should be) or a folder without built-in dataset
+    files (CIFAR pickles, MNIST IDX, packs)."""
     path = Path(path)
-    if path.suffix.lower() == ".csv":
+    if path.suffix.lower() == ".csv" or path.is_file():
         return True
     return path.is_dir() and not has_builtin_files(path)
 
