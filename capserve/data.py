@@ -17,6 +17,8 @@ Files (nothing is downloaded; get them from the official pages):
 compact *pack* (``capserve-pack.json`` + JPEG mosaics, see ``pack_cifar``), used to ship a training set to a
 remote GPU machine.
 
+A folder of your own images or a CSV manifest is read by ``capserve.userdata`` instead.
+
 DiverseMultiMNIST (Tsai et al. 2020, after Sabour et al. 2017's MultiMNIST). Choices the paper leaves open, ours:
     - canvas 36×36; each 28×28 digit is placed at the centre offset (4, 4) and shifted independently by an integer
       (dy, dx) drawn uniformly from [-4, 4] each, so a digit never leaves the canvas;

@@ -39,6 +39,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+from PIL import Image
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
@@ -56,6 +57,9 @@ VAL_SEED = 0
 CACHE_FILE = "data-cache.safetensors"
 CACHE_FORMAT = 1  # bump when the cache layout or the preprocessing changes
 SHOWN_FAILURES = 20  # paths listed in a stopping error
+# A user's own photos may be larger than the service accepts by default (25 MP): only Pillow's own decompression-bomb
+# limit applies. The limit only refuses images; an image it admits is preprocessed exactly as the service does.
+MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
 
 
 class DataError(ValueError):
@@ -300,7 +304,7 @@ def targets_for(samples: Sequence[Sample], labels: Sequence[str], multi_label: b
 def _decode(sample: Sample, spec: InputSpec) -> np.ndarray | str:
     """uint8 (C, H, W), or the reason the file failed."""
     try:
-        return load_image(sample.path.read_bytes(), spec)
+        return load_image(sample.path.read_bytes(), spec, max_pixels=MAX_PIXELS)
     except (ImageError, OSError) as e:
         return f"{type(e).__name__}: {e}"
 
