@@ -17,6 +17,8 @@ Files (nothing is downloaded; get them from the official pages):
 compact *pack* (``capserve-pack.json`` + JPEG mosaics, see ``pack_cifar``), used to ship a training set to a
 remote GPU machine.
 
+A folder of your own images or a CSV manifest is read by ``capserve.userdata`` instead.
+
 DiverseMultiMNIST (Tsai et al. 2020, after Sabour et al. 2017's MultiMNIST). Choices the paper leaves open, ours:
     - canvas 36×36; each 28×28 digit is placed at the centre offset (4, 4) and shifted independently by an integer
       (dy, dx) drawn uniformly from [-4, 4] each, so a digit never leaves the canvas;
@@ -143,10 +145,24 @@ def _cifar_batch(path: Path, label_key: str, url: str) -> tuple[np.ndarray, np.n
     return images.reshape(-1, 3, 32, 32), labels
 
 
+# dataset → (sub-folders searched, files that mark the dataset's folder)
+_LAYOUTS = {
+    "cifar10": (["", "cifar-10-batches-py", "cifar10/cifar-10-batches-py"], ["data_batch_1", "test_batch", PACK_FILE]),
+    "cifar100": (["", "cifar-100-python", "cifar100/cifar-100-python"], ["train", "test", PACK_FILE]),
+    "mnist": (["", "raw", "MNIST/raw", "mnist/MNIST/raw"],
+              [f"{p}-images-idx3-ubyte{ext}" for p in ("train", "t10k") for ext in ("", ".gz")]),
+}  # fmt: skip
+
+
+def has_builtin_files(root: str | Path) -> bool:
+    """Whether ``root`` (or a usual sub-folder) holds CIFAR-10/100 or MNIST files, as opposed to a user's images."""
+    root = Path(root)
+    return any((root / sub / m).is_file() for subs, markers in _LAYOUTS.values() for sub in subs for m in markers)
+
+
 def load_cifar10(root: str | Path, train: bool = True) -> Split:
     """CIFAR-10 train (50,000) or test (10,000) images (N, 3, 32, 32) uint8 and labels (N,)."""
-    d = _find_dir(root, ["", "cifar-10-batches-py", "cifar10/cifar-10-batches-py"],
-                  ["data_batch_1", "test_batch", PACK_FILE], "CIFAR-10", CIFAR10_URL)  # fmt: skip
+    d = _find_dir(root, *_LAYOUTS["cifar10"], "CIFAR-10", CIFAR10_URL)
     if (d / PACK_FILE).is_file():
         return load_pack(d, "train" if train else "test")
     names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
@@ -156,8 +172,7 @@ def load_cifar10(root: str | Path, train: bool = True) -> Split:
 
 def load_cifar100(root: str | Path, train: bool = True) -> Split:
     """CIFAR-100 (fine labels) train (50,000) or test (10,000) images (N, 3, 32, 32) uint8 and labels (N,)."""
-    d = _find_dir(root, ["", "cifar-100-python", "cifar100/cifar-100-python"], ["train", "test", PACK_FILE],
-                  "CIFAR-100", CIFAR100_URL)  # fmt: skip
+    d = _find_dir(root, *_LAYOUTS["cifar100"], "CIFAR-100", CIFAR100_URL)
     if (d / PACK_FILE).is_file():
         return load_pack(d, "train" if train else "test")
     return _split([_cifar_batch(d / ("train" if train else "test"), "fine_labels", CIFAR100_URL)], 100, d)
@@ -391,29 +406,52 @@ def dataset_for(config_labels: Sequence[str], task: str, image_size: int) -> str
                      f"image size {image_size}); built-in datasets: {', '.join(DATASETS)}")  # fmt: skip
 
 
-def _held_out(n: int, val_size: int) -> tuple[Tensor, Tensor]:
+def parse_val_size(text: str) -> int | float:
+    """``--val-size``: a count (``500``), a fraction (``0.1``) or a percentage (``10%``)."""
+    text = text.strip()
+    try:
+        if text.endswith("%"):
+            return float(text[:-1]) / 100
+        return int(text) if text.lstrip("+-").isdigit() else float(text)
+    except ValueError:
+        message = f"--val-size takes a count (500), a fraction (0.1) or a percentage (10%), got {text!r}"
+        raise ValueError(message) from None
+
+
+def resolve_val_size(val_size: int | float, n: int) -> int:
+    """The number of validation images carved from ``n`` training images (``val_size``: a count or a fraction)."""
+    if isinstance(val_size, float):
+        if not 0 <= val_size < 1:
+            raise ValueError(f"--val-size as a fraction must be in [0, 1), got {val_size}")
+        count = round(val_size * n)
+        return max(count, 1) if val_size > 0 and n > 1 else count
     if not 0 <= val_size < n:
         raise ValueError(f"--val-size must be in [0, {n - 1}] for {n} training images, got {val_size}")
+    return val_size
+
+
+def _held_out(n: int, val_size: int | float) -> tuple[Tensor, Tensor]:
+    val_size = resolve_val_size(val_size, n)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(_VAL_SEED))
     return perm[: n - val_size].sort().values, perm[n - val_size :].sort().values
 
 
-def load_training(dataset: str, root: str | Path, val_size: int = 5000, epoch_size: int | None = None,
+def load_training(dataset: str, root: str | Path, val_size: int | float = 5000, epoch_size: int | None = None,
                   device: str | torch.device = "cpu") -> Data:  # fmt: skip
     """Training data for ``dataset`` with a validation split carved from the training set by a fixed seed."""
     device = torch.device(device)
     if dataset in ("cifar10", "cifar100"):
         full = (load_cifar10 if dataset == "cifar10" else load_cifar100)(root, train=True)
         keep, val = _held_out(len(full), val_size)
-        train, valid = full.subset(keep).to(device), full.subset(val).to(device) if val_size else None
+        train, valid = full.subset(keep).to(device), full.subset(val).to(device) if len(val) else None
         return Data(dataset, train, None, valid, len(train))
     if dataset == "multimnist":
         digits, labels = load_mnist(root, train=True)
         keep, val = _held_out(len(digits), val_size)
         valid = None
-        if val_size:
+        if len(val):
             g = torch.Generator().manual_seed(_VAL_GEN_SEED)
-            valid = multimnist(digits[val], labels[val], val_size, g).to(device)
+            valid = multimnist(digits[val], labels[val], len(val), g).to(device)
         pool = (digits[keep].to(device), labels[keep].to(device))
         return Data(dataset, None, pool, valid, epoch_size or len(digits))
     raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
@@ -431,7 +469,7 @@ def load_test(dataset: str, root: str | Path) -> Split:
     raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
 
 
-def load_validation(dataset: str, root: str | Path, val_size: int) -> Split:
+def load_validation(dataset: str, root: str | Path, val_size: int | float) -> Split:
     """The validation split ``load_training`` carves with the same ``val_size`` (for calibration and evaluation)."""
     data = load_training(dataset, root, val_size=val_size)
     if data.val is None:

@@ -1,12 +1,20 @@
-"""``capserve evaluate CHECKPOINT --data DIR``: accuracy per routing iteration count, on one checkpoint.
+"""``capserve evaluate CHECKPOINT --data DIR|CSV``: accuracy per routing iteration count, on one checkpoint.
 
-Single-label: top-1/top-5 and the confusion matrix. Multi-label (DiverseMultiMNIST): exact match (all 10 decisions
-right) and per-class F1, with the checkpoint's thresholds (0.5 where none are stored). Every metric is computed for
-T = 1..5 routing iterations (``--iterations``), the paper's Figure 4 analysis, as a table and a plot.
+Single-label: top-1/top-5, per-class precision/recall/F1 and the confusion matrix. Multi-label: exact match (every
+decision right) and per-class F1, with the checkpoint's thresholds (0.5 where none are stored). Every metric is
+computed for T = 1..5 routing iterations (``--iterations``), the paper's Figure 4 analysis, as a table and a plot;
+``--json`` prints the report as one JSON object instead, ``--out DIR`` also writes ``evaluation.json``,
+``iterations.png`` and (single-label) ``confusion.png`` with the label names.
+
+``--data`` is the built-in dataset's folder (its test split) or your own images: a folder (``test/`` when it has
+one, else every image) or a CSV (its ``test`` rows when it has a split column, else every row). Images are decoded
+by ``capserve.images`` (the service's preprocessing) one batch at a time and every T runs on that batch before the
+next is decoded, so memory holds one batch of images and the (N, C) logits, however many images there are.
 
 ``--calibrate`` (multi-label): per-class thresholds that maximise each class's F1 on the *validation* split (the one
 training carved, rebuilt from the checkpoint's recorded ``val_size``), stored in the checkpoint's config
-(``ModelConfig.thresholds``); the test set is then evaluated with them.
+(``ModelConfig.thresholds``); the test set is then evaluated with them. Training on your own multi-label data
+already does this at its end.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import logging
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,33 +34,80 @@ from capserve.checkpoint import CONFIG, load, save_model
 from capserve.data import Split, dataset_for, load_test, load_validation
 from capserve.model import CapsNet
 from capserve.preprocess import normalize
+from capserve.userdata import (
+    DataError,
+    FailureLog,
+    Manifest,
+    Sample,
+    check_labels,
+    is_own_data,
+    iter_decoded,
+    scan,
+    targets_for,
+    with_validation,
+)
 
 log = logging.getLogger(__name__)
 
 THRESHOLD_GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05 … 0.95
 
 
+def _progress(total: int, desc: str):  # type: ignore[no-untyped-def]
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="img", mininterval=0.5, leave=True, dynamic_ncols=True)
+
+
 @torch.no_grad()
+def predict_batches(model: CapsNet, batches: Iterable[Tensor], iterations: Sequence[int | None],
+                    device: str | torch.device = "cpu") -> dict[int | None, Tensor]:  # fmt: skip
+    """Logits (N, C) float32 on the CPU per routing iteration count, from uint8 image batches (b, C, H, W).
+
+    Each batch runs at every T before the next is read, so a streaming ``batches`` keeps one batch in memory.
+    """
+    model.eval()
+    c = model.config
+    out: dict[int | None, list[Tensor]] = {T: [] for T in iterations}
+    for images in batches:
+        if not len(images):
+            continue
+        x = normalize(images.to(device), c.mean, c.std)  # (b, C, H, W)
+        for T in iterations:
+            out[T].append(model(x, iterations=T).float().cpu())  # (b, classes)
+    return {T: torch.cat(v) if v else torch.zeros(0, c.num_classes) for T, v in out.items()}
+
+
+def _slices(split: Split, batch_size: int, desc: str | None = None) -> Iterator[Tensor]:
+    bar = _progress(len(split), desc) if desc else None
+    for start in range(0, len(split), batch_size):
+        yield split.images[start : start + batch_size]
+        if bar is not None:
+            bar.update(min(batch_size, len(split) - start))
+    if bar is not None:
+        bar.close()
+
+
 def predict_logits(model: CapsNet, split: Split, iterations: int | None = None, batch_size: int = 250,
                    device: str | torch.device = "cpu") -> Tensor:  # fmt: skip
     """Logits (N, C) float32 on the CPU for every image of ``split`` after ``iterations`` routing iterations."""
-    model.eval()
-    c = model.config
-    out = []
-    for start in range(0, len(split), batch_size):
-        x = normalize(split.images[start : start + batch_size].to(device), c.mean, c.std)
-        out.append(model(x, iterations=iterations).float().cpu())  # (b, C)
-    return torch.cat(out) if out else torch.zeros(0, c.num_classes)
+    return predict_batches(model, _slices(split, batch_size), [iterations], device)[iterations]
 
 
 def single_label_metrics(logits: Tensor, targets: Tensor) -> dict[str, Any]:
-    """Top-1, top-5 (top-k for fewer than 5 classes) and the confusion matrix (rows: true, columns: predicted)."""
+    """Top-1, top-5 (top-k for fewer than 5 classes), per-class precision/recall/F1/support and the confusion
+    matrix (rows: true, columns: predicted); a class never predicted (or never present) scores 0."""
     C = logits.shape[1]
     k = min(5, C)
     top = logits.topk(k, dim=1).indices  # (N, k)
-    confusion = torch.bincount(targets * C + top[:, 0], minlength=C * C).view(C, C)
+    confusion = torch.bincount(targets * C + top[:, 0], minlength=C * C).view(C, C)  # (C, C)
+    tp = confusion.diag().double()
+    precision = tp / confusion.sum(0).clamp_min(1)
+    recall = tp / confusion.sum(1).clamp_min(1)
+    f1 = 2 * tp / (confusion.sum(0) + confusion.sum(1)).clamp_min(1)
     return {"top1": (top[:, 0] == targets).float().mean().item(),
             f"top{k}": (top == targets[:, None]).any(dim=1).float().mean().item(),
+            "precision": precision.tolist(), "recall": recall.tolist(), "f1": f1.tolist(),
+            "support": confusion.sum(1).tolist(), "macro_f1": f1.mean().item(),
             "confusion": confusion.tolist()}  # fmt: skip
 
 
@@ -85,18 +141,62 @@ def fit_thresholds(logits: Tensor, targets: Tensor, grid: tuple[float, ...] = TH
     return tuple(best)
 
 
+def metrics(config: Any, logits: Tensor, targets: Tensor) -> dict[str, Any]:
+    if config.task == "multi_label":
+        return multi_label_metrics(logits, targets, config.thresholds)
+    return single_label_metrics(logits, targets)
+
+
 def evaluate(model: CapsNet, split: Split, iterations: list[int], batch_size: int = 250,
              device: str | torch.device = "cpu") -> dict[int, dict[str, Any]]:  # fmt: skip
     """Metrics of ``model`` on ``split`` for each routing iteration count in ``iterations``."""
+    logits = predict_batches(model, _slices(split, batch_size, "evaluating"), iterations, device)
+    return {T: metrics(model.config, logits[T], split.targets) for T in iterations}
+
+
+def own_samples(manifest: Manifest, split: str, val_size: int | float | None) -> list[Sample]:
+    """The images of a user's data to evaluate: ``test`` (all of it when the data names no splits) or ``val``."""
+    if split == "test":
+        if not manifest.named_splits:
+            return [s for samples in manifest.splits.values() for s in samples]
+        if not manifest.splits.get("test"):
+            raise DataError(f"{manifest.source} has no test split (a test/ folder, or rows with split test); use "
+                            "--split val, or point --data at the test images alone")  # fmt: skip
+        return manifest.splits["test"]
+    if not manifest.splits.get("val") and val_size is None:
+        raise DataError(f"{manifest.source} has no val split and the model records no --val-size to carve one")
+    val = with_validation(manifest, val_size)[0].splits["val"]
+    if not val:
+        raise DataError(f"{manifest.source}: the validation split is empty (trained with --val-size 0?)")
+    return val
+
+
+def evaluate_own(model: CapsNet, samples: Sequence[Sample], source: Path, iterations: Sequence[int | None],
+                 batch_size: int = 250, device: str | torch.device = "cpu",
+                 ) -> tuple[dict[int | None, Tensor], Tensor, int]:  # fmt: skip
+    """Logits per T, targets and the number of skipped files for a user's images, decoded one batch at a time."""
     c = model.config
-    results = {}
-    for T in iterations:
-        logits = predict_logits(model, split, T, batch_size, device)
-        if c.task == "multi_label":
-            results[T] = multi_label_metrics(logits, split.targets, c.thresholds)
-        else:
-            results[T] = single_label_metrics(logits, split.targets)
-    return results
+    failures = FailureLog(len(samples), source)
+    kept: list[int] = []
+
+    def batches() -> Iterator[Tensor]:
+        for images, index in iter_decoded(samples, c, failures, batch_size, desc="evaluating"):
+            kept.extend(index)
+            yield torch.from_numpy(images)
+
+    logits = predict_batches(model, batches(), iterations, device)
+    failures.check()
+    if not kept:
+        raise DataError(f"no readable images to evaluate in {source}")
+    return logits, targets_for([samples[i] for i in kept], c.labels, c.task == "multi_label"), len(failures.failures)
+
+
+def store_thresholds(checkpoint: Path, model: CapsNet, thresholds: Sequence[float]) -> None:
+    """Write per-class thresholds into the checkpoint's config.json, keeping its other entries."""
+    model.config = dataclasses.replace(model.config, thresholds=tuple(thresholds))
+    payload = json.loads((checkpoint / CONFIG).read_text())
+    extra = {k: v for k, v in payload.items() if k not in ("format_version", "config")}
+    save_model(model, checkpoint, extra=extra)
 
 
 def calibrate(checkpoint: str | Path, data: str | Path, batch_size: int = 250,
@@ -108,18 +208,24 @@ def calibrate(checkpoint: str | Path, data: str | Path, batch_size: int = 250,
     if c.task != "multi_label":
         raise ValueError(f"--calibrate is for multi-label models; {c.name} is {c.task}")
     info = c.extra.get("data", {})
-    if not info.get("val_size"):
-        raise ValueError(f"{checkpoint}: no validation split recorded (trained with --val-size 0?); cannot calibrate")
-    val = load_validation(info["dataset"], data, int(info["val_size"]))
-    thresholds = fit_thresholds(predict_logits(model, val, None, batch_size, device), val.targets)
-    model.config = dataclasses.replace(c, thresholds=thresholds)
-    payload = json.loads((checkpoint / CONFIG).read_text())
-    extra = {k: v for k, v in payload.items() if k not in ("format_version", "config")}
-    save_model(model, checkpoint, extra=extra)
+    if is_own_data(data):
+        manifest = scan(data)
+        check_labels(manifest, c.labels, "the model's labels", ("val",))
+        samples = own_samples(manifest, "val", info.get("val_size"))
+        logits, targets, _ = evaluate_own(model, samples, manifest.source, [None], batch_size, device)
+        thresholds = fit_thresholds(logits[None], targets)
+    else:
+        if not info.get("val_size"):
+            raise ValueError(f"{checkpoint}: no validation split recorded (trained with --val-size 0?); cannot "
+                             "calibrate")  # fmt: skip
+        val = load_validation(info["dataset"], data, info["val_size"])
+        thresholds = fit_thresholds(predict_logits(model, val, None, batch_size, device), val.targets)
+    store_thresholds(checkpoint, model, thresholds)
     return thresholds
 
 
-def plot_iterations(results: dict[int, dict[str, Any]], key: str, png: Path, title: str) -> Path | None:
+def _pyplot(png: Path) -> Any:
+    """matplotlib.pyplot on the Agg backend, or None (with a log line naming ``png``) when it is not installed."""
     try:
         import matplotlib
 
@@ -127,6 +233,13 @@ def plot_iterations(results: dict[int, dict[str, Any]], key: str, png: Path, tit
         import matplotlib.pyplot as plt
     except ImportError:
         log.info("matplotlib is not installed: skipping %s (pip install 'capserve[train]')", png)
+        return None
+    return plt
+
+
+def plot_iterations(results: dict[int, dict[str, Any]], key: str, png: Path, title: str) -> Path | None:
+    plt = _pyplot(png)
+    if plt is None:
         return None
     Ts = sorted(results)
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -142,16 +255,44 @@ def plot_iterations(results: dict[int, dict[str, Any]], key: str, png: Path, tit
     return png
 
 
+def plot_confusion(confusion: list[list[int]], labels: Sequence[str], png: Path, title: str) -> Path | None:
+    """The confusion matrix as a PNG with the label names (rows true, columns predicted; counts for ≤ 30 labels)."""
+    plt = _pyplot(png)
+    if plt is None:
+        return None
+    C = len(labels)
+    side = min(4 + 0.45 * C, 40)
+    fig, ax = plt.subplots(figsize=(side, side))
+    ax.imshow(confusion, cmap="Blues")
+    ax.set_xticks(range(C), labels, rotation=90)
+    ax.set_yticks(range(C), labels)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(title)
+    if C <= 30:
+        peak = max(max(row) for row in confusion) or 1
+        for i, row in enumerate(confusion):
+            for j, v in enumerate(row):
+                ax.text(j, i, str(v), ha="center", va="center", color="white" if v > peak / 2 else "black",
+                        fontsize=8)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="model folder (config.json + model.safetensors), e.g. RUN/best")
-    p.add_argument("--data", required=True, help="folder with the dataset files (see capserve.data)")
+    p.add_argument("--data", required=True, help="your images (a label-folder tree or a CSV: its test split, or "
+                   "everything when it names no splits), or the folder with the CIFAR/MNIST files")  # fmt: skip
     p.add_argument("--iterations", default="1,2,3,4,5", help="routing iteration counts, comma-separated")
     p.add_argument("--split", choices=("test", "val"), default="test")
     p.add_argument("--limit", type=int, help="evaluate only the first N images")
     p.add_argument("--batch-size", type=int, default=250)
     p.add_argument("--device", default="cpu")
     p.add_argument("--calibrate", action="store_true", help="multi-label: fit thresholds on validation, store them")
-    p.add_argument("--out", help="folder for evaluation.json and the plot")
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object (nothing else)")
+    p.add_argument("--out", help="folder for evaluation.json and the plots")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,41 +302,75 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--iterations takes integers like 1,2,3, got {args.iterations!r}") from None
     if not iterations or iterations[0] < 1:
         raise ValueError(f"--iterations must be integers >= 1, got {args.iterations!r}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / CONFIG).is_file():
         raise FileNotFoundError(f"{checkpoint} is not a model folder ({CONFIG} missing); pass e.g. RUN/best")
     if args.calibrate:
         thresholds = calibrate(checkpoint, args.data, args.batch_size, args.device)
-        print(f"calibrated thresholds on the validation split (stored in {checkpoint / CONFIG}): "
-              + ", ".join(f"{t:.2f}" for t in thresholds))  # fmt: skip
+        log.info("calibrated thresholds on the validation split (stored in %s): %s", checkpoint / CONFIG,
+                 ", ".join(f"{t:.2f}" for t in thresholds))  # fmt: skip
     model = load(checkpoint, args.device)
     c = model.config
-    dataset = c.extra.get("data", {}).get("dataset") or dataset_for(c.labels, c.task, c.image_size)
-    if args.split == "test":
-        split = load_test(dataset, args.data)
+    info = c.extra.get("data", {})
+    skipped = 0
+    if is_own_data(args.data):
+        manifest = scan(args.data)
+        dataset = manifest.kind
+        samples = own_samples(manifest, args.split, info.get("val_size"))[: args.limit]
+        check_labels(Manifest(manifest.source, manifest.kind, {"train": [], args.split: samples}, True), c.labels,
+                     f"the model's labels ({checkpoint})", (args.split,))  # fmt: skip
+        logits, targets, skipped = evaluate_own(model, samples, manifest.source, iterations, args.batch_size,
+                                                args.device)  # fmt: skip
+        results = {T: metrics(c, logits[T], targets) for T in iterations}
+        images = len(targets)
     else:
-        split = load_validation(dataset, args.data, int(c.extra.get("data", {}).get("val_size", 5000)))
-    if args.limit:
-        split = split.subset(torch.arange(min(args.limit, len(split))))
-    results = evaluate(model, split, iterations, args.batch_size, args.device)
+        dataset = info.get("dataset") or dataset_for(c.labels, c.task, c.image_size)
+        if dataset in ("folder", "csv"):
+            raise FileNotFoundError(f"{c.name} was trained on your own images ({info.get('source')}); pass a folder "
+                                    f"or CSV of such images as --data, not {args.data}")  # fmt: skip
+        if args.split == "test":
+            split = load_test(dataset, args.data)
+        else:
+            split = load_validation(dataset, args.data, info.get("val_size", 5000))
+        if args.limit:
+            split = split.subset(torch.arange(min(args.limit, len(split))))
+        results = evaluate(model, split, iterations, args.batch_size, args.device)
+        images = len(split)
     key = "exact_match" if c.task == "multi_label" else "top1"
-    tops = [k for k in results[iterations[0]] if k.startswith("top") and k != "top1"]
-    second = "macro_f1" if c.task == "multi_label" else tops[0]
-    print(f"{c.name} on {dataset} {args.split} ({len(split)} images; trained with T = {c.iterations})")
-    print(f"{'T':>3} {key:>12} {second:>10}")
-    for T in iterations:
-        print(f"{T:>3} {100 * results[T][key]:11.2f}% {100 * results[T][second]:9.2f}%")
+    report = {"model": c.name, "checkpoint": str(checkpoint), "data": str(args.data), "dataset": dataset,
+              "split": args.split, "images": images, "skipped_images": skipped, "task": c.task,
+              "labels": list(c.labels), "trained_iterations": c.iterations, "thresholds": c.thresholds,
+              "results": results}  # fmt: skip
     main = results.get(c.iterations, results[iterations[-1]])
-    if c.task == "multi_label":
-        print("per-class F1: " + ", ".join(f"{lab} {f:.3f}" for lab, f in zip(c.labels, main["f1"], strict=True)))
-    else:
-        print("confusion matrix (rows true, columns predicted):")
-        for lab, row in zip(c.labels, main["confusion"], strict=True):
-            print(f"{lab[:10]:>10} " + " ".join(f"{v:5d}" for v in row))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        report = {"model": c.name, "dataset": dataset, "split": args.split, "images": len(split), "results": results}
         (out / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
         plot_iterations(results, key, out / "iterations.png", f"{c.name}: {args.split} {key} vs T")
+        if c.task == "single_label":
+            T = c.iterations if c.iterations in results else iterations[-1]
+            plot_confusion(main["confusion"], c.labels, out / "confusion.png", f"{c.name}: {args.split}, T = {T}")
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    tops = [k for k in results[iterations[0]] if k.startswith("top") and k != "top1"]
+    second = "macro_f1" if c.task == "multi_label" else tops[0]
+    skipped_note = f", {skipped} unreadable skipped" if skipped else ""
+    print(f"{c.name} on {dataset} {args.split} ({images} images{skipped_note}; trained with T = {c.iterations})")
+    print(f"{'T':>3} {key:>12} {second:>10}")
+    for T in iterations:
+        print(f"{T:>3} {100 * results[T][key]:11.2f}% {100 * results[T][second]:9.2f}%")
+    width = max(10, *(len(lab) for lab in c.labels))
+    if c.task == "multi_label":
+        print("per-class F1: " + ", ".join(f"{lab} {f:.3f}" for lab, f in zip(c.labels, main["f1"], strict=True)))
+    else:
+        print(f"{'label':>{width}} {'precision':>9} {'recall':>7} {'F1':>6} {'images':>7}")
+        for i, lab in enumerate(c.labels):
+            print(f"{lab:>{width}} {main['precision'][i]:9.3f} {main['recall'][i]:7.3f} {main['f1'][i]:6.3f} "
+                  f"{main['support'][i]:7d}")  # fmt: skip
+        print("confusion matrix (rows true, columns predicted):")
+        for lab, row in zip(c.labels, main["confusion"], strict=True):
+            print(f"{lab:>{width}} " + " ".join(f"{v:5d}" for v in row))
     return 0

@@ -16,6 +16,11 @@ cosine to 0). With ``--time-budget`` the cosine and one-cycle schedules run on m
 so the lr reaches 0 when the budget ends whatever the speed of the machine; the run then stops cleanly and keeps its
 best checkpoint. Such a run depends on timing, so only runs without a time budget resume bit-exactly.
 
+Your own images (``--data`` a folder of label folders or a CSV manifest, see ``capserve.userdata``): the model's labels,
+task and input size (``--image-size``) come from the data; images are decoded once into a cache in the run folder;
+validation is the data's ``val`` split or ``--val-size`` (default 10 %) carved from train; multi-label runs calibrate
+per-class thresholds on validation at the end. ``--init MODEL_DIR`` fine-tunes from a trained model.
+
 Multi-GPU / multi-node: ``torchrun --nproc_per_node N -m capserve.cli train ...``. ``--batch-size`` is the global
 batch; each of the N processes takes its slice of the same seeded order (NCCL on GPUs, gloo on CPUs).
 """
@@ -42,11 +47,21 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from capserve.checkpoint import load as load_model
-from capserve.checkpoint import save_model
+from capserve.checkpoint import read_config, save_model
 from capserve.configs import get_config, list_models
-from capserve.data import Data, Split, dataset_for, load_test, load_training, random_crop_flip
+from capserve.data import Data, Split, dataset_for, load_test, load_training, parse_val_size, random_crop_flip
 from capserve.model import CapsNet
 from capserve.preprocess import normalize
+from capserve.userdata import (
+    CACHE_FILE,
+    InputSize,
+    Manifest,
+    build_cache,
+    check_training,
+    is_own_data,
+    scan,
+    with_validation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +69,7 @@ SCHEDULES = ("step", "cosine", "onecycle")
 AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 WARMUP = 0.15  # one-cycle warm-up fraction
 MILESTONES = (150 / 350, 250 / 350)  # the authors' step epochs as fractions of the run
+DEFAULT_VAL_SIZE = {"builtin": 5000, "own": 0.1}  # images for CIFAR/MNIST; a fraction of a user's training images
 
 
 @dataclass
@@ -75,12 +91,14 @@ class TrainConfig:
     time_budget: float | None = None
     max_steps: int | None = None
     grad_clip: float | None = None
-    val_size: int = 5000
+    val_size: int | float | None = None  # None: DEFAULT_VAL_SIZE
     epoch_size: int | None = None
     seed: int = 0
     eval_batch_size: int = 500
     test: bool = True
     device: str = "auto"
+    image_size: int | None = None  # own images: the model's input size (default: the config's)
+    init: str | None = None  # a model folder to fine-tune from (shape-matching tensors are loaded)
 
     def __post_init__(self) -> None:
         if self.model not in list_models():
@@ -315,12 +333,78 @@ def plot_curves(metrics: Path, png: Path) -> Path | None:
 # ------------------------------------------------------------------------------------------------- training
 
 
-def build_model(cfg: TrainConfig) -> CapsNet:
+def val_size_of(cfg: TrainConfig, own: bool) -> int | float:
+    return cfg.val_size if cfg.val_size is not None else DEFAULT_VAL_SIZE["own" if own else "builtin"]
+
+
+def build_model(cfg: TrainConfig, manifest: Manifest | None = None) -> CapsNet:
+    """The model to train: the named config, with the labels, task and input size of a user's data if given."""
     config = get_config(cfg.model, **cfg.overrides)
-    dataset = dataset_for(config.labels, config.task, config.image_size)
-    extra = {**config.extra, "data": {"dataset": dataset, "val_size": cfg.val_size}}
+    val_size = val_size_of(cfg, manifest is not None)
+    if manifest is None:
+        if cfg.image_size is not None:
+            raise ValueError("--image-size works with your own images (a folder or CSV); the built-in datasets have "
+                             "fixed sizes (use --set image_size=N to change a model config)")  # fmt: skip
+        data = {"dataset": dataset_for(config.labels, config.task, config.image_size), "val_size": val_size}
+    else:
+        config = dataclasses.replace(config, labels=manifest.labels, task=manifest.task, thresholds=None,
+                                     image_size=cfg.image_size or config.image_size)  # fmt: skip
+        data = {"dataset": manifest.kind, "source": str(manifest.source), "val_size": val_size}
     torch.manual_seed(cfg.seed)
-    return CapsNet(dataclasses.replace(config, extra=extra))
+    return CapsNet(dataclasses.replace(config, extra={**config.extra, "data": data}))
+
+
+def init_from(model: CapsNet, directory: str | Path) -> dict[str, Any]:
+    """Load every tensor of the model folder ``directory`` whose name and shape match ``model``'s (fine-tuning).
+
+    The class capsule layer starts afresh when the labels differ, even where its shapes happen to match.
+    Returns ``{"from", "loaded", "new"}`` with the tensor names.
+    """
+    directory = Path(directory)
+    source_model = load_model(directory)  # a clear CheckpointError for a folder that is not a model
+    source, weights = source_model.config, source_model.state_dict()
+    class_layer = f"capsules.{len(model.capsules) - 1}."
+    relabelled = tuple(source.labels) != tuple(model.config.labels)
+    loaded, new = {}, []
+    for name, tensor in model.state_dict().items():
+        match = weights.get(name)
+        if match is not None and match.shape == tensor.shape and not (relabelled and name.startswith(class_layer)):
+            loaded[name] = match
+        else:
+            new.append(name)
+    model.load_state_dict(loaded, strict=False)
+    values = sum(t.numel() for t in loaded.values())
+    log.info("--init %s (%s): loaded %d tensors (%s values), new %d%s", directory, source.name, len(loaded),
+             f"{values:,}", len(new), f": {', '.join(new)}" if new else "")  # fmt: skip
+    if relabelled:
+        log.info("labels differ from %s's: the class capsule layer (%s*) starts afresh", directory, class_layer)
+    return {"from": str(directory), "loaded": sorted(loaded), "new": new}
+
+
+def init_architecture(directory: str | Path) -> tuple[str, dict[str, Any]]:
+    """The named config and the overrides that rebuild the architecture of the model in ``directory``."""
+    source = read_config(directory)
+    if source.name not in list_models():
+        raise ValueError(f"{directory} holds a {source.name!r} model, not a named config: pass --model too")
+    named = get_config(source.name).to_dict()
+    skip = {"name", "labels", "task", "thresholds", "extra"}  # these come from the data, not the architecture
+    return source.name, {k: v for k, v in source.to_dict().items() if k not in skip and v != named[k]}
+
+
+def load_own_training(manifest: Manifest, model: CapsNet, out: Path, d: Dist,
+                      device: torch.device) -> tuple[Data, Split | None, int]:  # fmt: skip
+    """A user's data decoded at the model's input (through the run folder's cache): training data, test, skipped."""
+    c = model.config
+    if d.enabled and not d.main:
+        dist.barrier()  # rank 0 decodes and writes the cache first; the others read it
+    own = build_cache(manifest, c.labels, InputSize(c.in_channels, c.image_size), out / CACHE_FILE)
+    if d.enabled and d.main:
+        dist.barrier()
+    train, val, test = (own.splits.get(s) for s in ("train", "val", "test"))
+    if train is None or not len(train):
+        raise ValueError(f"no readable training images in {manifest.source}")
+    val = val.to(device) if val is not None and len(val) else None
+    return Data(manifest.kind, train.to(device), None, val, len(train)), test, own.skipped
 
 
 def train(cfg: TrainConfig, resume: str | Path | None = None) -> dict[str, Any]:
@@ -341,10 +425,24 @@ def _train(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
         torch.backends.cudnn.benchmark = True
         torch.set_float32_matmul_precision("high")
     out = Path(cfg.out)
-    model = build_model(cfg)
+    manifest = None
+    if is_own_data(cfg.data):
+        manifest = scan(cfg.data)
+        check_training(manifest)
+        manifest, carved = with_validation(manifest, val_size_of(cfg, own=True))
+        if carved:
+            log.info("validation: %d images carved from %s's training images (seed 0)", carved, manifest.source)
+    model = build_model(cfg, manifest)
     c = model.config
     dataset = c.extra["data"]["dataset"]
-    data: Data = load_training(dataset, cfg.data, cfg.val_size, cfg.epoch_size, device)
+    init = init_from(model, cfg.init) if cfg.init and resume is None else None
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+    skipped, test_split = 0, None
+    if manifest is not None:
+        data, test_split, skipped = load_own_training(manifest, model, out, d, device)
+    else:
+        data = load_training(dataset, cfg.data, val_size_of(cfg, own=False), cfg.epoch_size, device)
     steps_per_epoch = data.epoch_size // cfg.batch_size
     if steps_per_epoch < 1:
         raise ValueError(f"--batch-size {cfg.batch_size} exceeds the {data.epoch_size} training images per epoch")
@@ -364,7 +462,6 @@ def _train(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
         state = _load_state(last, model, opt, scaler, device)
         log.info("resumed from %s at epoch %d, step %d", last, state["epoch"] + 1, state["step"])
     if d.main:
-        out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
         log.info("%s on %s: %d train images/epoch, %d validation, %d steps/epoch, %d parameters", cfg.model,
                  device, data.epoch_size, len(data.val) if data.val else 0, steps_per_epoch,
@@ -386,7 +483,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
             x, y = ep.images[lo : lo + local], ep.targets[lo : lo + local]
             if dataset != "multimnist":  # the authors' CIFAR augmentation; DiverseMultiMNIST shifts are built in
                 g = torch.Generator(device=device).manual_seed(cfg.seed * 7_919 + epoch * 100_003 + b)
-                x = random_crop_flip(x, 4, g)
+                x = random_crop_flip(x, max(1, c.image_size // 8), g)  # padding 4 at 32×32
             x = normalize(x, c.mean, c.std)
             if cfg.channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
@@ -464,19 +561,43 @@ def _train(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
                                "steps": state["step"], "train_seconds": state["elapsed"],
                                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                                "processes": d.world}  # fmt: skip
+    if manifest is not None:
+        summary.update(labels=list(c.labels), task=c.task, skipped_images=skipped)
+    if init is not None:
+        summary["init"] = {"from": init["from"], "loaded": len(init["loaded"]), "new": init["new"]}
     if data.val is None and d.main:
         log.warning("no validation split (--val-size 0): best/ is the epoch with the best training accuracy")
+    if multi and data.val is not None and state["best_epoch"] is not None and d.main:
+        summary["thresholds"] = calibrate_best(out / "best", data.val, cfg.eval_batch_size, device)
     if cfg.test and state["best_epoch"] is not None and d.main:
-        best = load_model(out / "best", device)
-        test = validate(best, load_test(dataset, cfg.data), cfg, device, Dist())
-        summary["test_acc"] = test["acc"]
-        log.info("test accuracy (best epoch %d, evaluated once): %.2f%%", state["best_epoch"], 100 * test["acc"])
+        if manifest is None:
+            test_split = load_test(dataset, cfg.data)
+        if test_split is None or not len(test_split):
+            log.info("no test split in %s (a test/ folder or rows with split test): skipping the test evaluation",
+                     cfg.data)  # fmt: skip
+        else:
+            best = load_model(out / "best", device)
+            test = validate(best, test_split, cfg, device, Dist())
+            summary["test_acc"] = test["acc"]
+            log.info("test accuracy (best epoch %d, evaluated once): %.2f%%", state["best_epoch"], 100 * test["acc"])
     summary["wall_seconds"] = time.perf_counter() - wall0
     if d.main:
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         if (out / "metrics.jsonl").is_file():
             plot_curves(out / "metrics.jsonl", out / "curves.png")
     return summary
+
+
+def calibrate_best(best_dir: Path, val: Split, batch_size: int, device: torch.device) -> list[float]:
+    """Multi-label: per-class thresholds fitted on the validation split, stored in ``best_dir``'s config."""
+    from capserve.evaluate import fit_thresholds, predict_logits, store_thresholds
+
+    best = load_model(best_dir, device)
+    thresholds = fit_thresholds(predict_logits(best, val, None, batch_size, device), val.targets.cpu())
+    store_thresholds(best_dir, best, thresholds)
+    log.info("thresholds calibrated on the validation split (stored in %s): %s", best_dir,
+             ", ".join(f"{lab} {t:.2f}" for lab, t in zip(best.config.labels, thresholds, strict=True)))  # fmt: skip
+    return list(thresholds)
 
 
 def _should_stop(cfg: TrainConfig, steps: int, elapsed: float, d: Dist, device: torch.device) -> bool:
@@ -507,8 +628,21 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help=f"model name: {', '.join(list_models())}")
-    p.add_argument("--data", help="folder with the dataset files (see capserve.data)")
+    p.add_argument("--model", help=f"model name: {', '.join(list_models())} (default with --init: its model's)")
+    p.add_argument(
+        "--data",
+        help="your images: a folder DIR/<label>/<images> (or DIR/train|val|test/<label>/...) "
+        "or a CSV (image,labels[,split]); or the folder with the CIFAR/MNIST files (see capserve.data)",
+    )
+    p.add_argument(
+        "--image-size", type=int, metavar="N", help="your images: the model's input side (default: the config's)"
+    )
+    p.add_argument(
+        "--init",
+        metavar="MODEL_DIR",
+        help="fine-tune: start from this model folder's weights (every "
+        "tensor whose shape matches; the class layer starts afresh when the labels differ)",
+    )
     p.add_argument("--out", help="output folder (checkpoints, metrics, plot)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model config override (JSON)")
     p.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR (its last/ checkpoint)")
@@ -523,7 +657,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop cleanly after this much training")
     p.add_argument("--max-steps", type=int, help="stop cleanly after this many steps in this run")
     p.add_argument("--grad-clip", type=float, metavar="NORM")
-    p.add_argument("--val-size", type=int, default=5000, help="validation images carved from the training set")
+    p.add_argument(
+        "--val-size",
+        type=parse_val_size,
+        help="validation images carved from the training set where "
+        "the data has no val split: a count (500) or a fraction (0.1); default 5000 for CIFAR/MNIST, "
+        "0.1 for your own images",
+    )
     p.add_argument("--epoch-size", type=int, help="DiverseMultiMNIST: generated images per epoch (default 60000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-batch-size", type=int, default=500)
@@ -541,16 +681,20 @@ def run(args: argparse.Namespace) -> int:
             cfg = dataclasses.replace(cfg, out=str(Path(resume) if (Path(resume) / "last").is_dir()
                                                    else Path(resume).parent))  # fmt: skip
     else:
-        missing = [f"--{k}" for k in ("model", "data", "out") if not getattr(args, k)]
+        model, overrides = args.model, _parse_set(args.set)
+        if args.init and not args.model:
+            model, architecture = init_architecture(args.init)
+            overrides = {**architecture, **overrides}
+        missing = [f"--{k}" for k, v in (("model", model), ("data", args.data), ("out", args.out)) if not v]
         if missing:
             raise ValueError(f"missing {', '.join(missing)} (or give --resume DIR)")
-        cfg = TrainConfig(model=args.model, data=args.data, out=args.out, overrides=_parse_set(args.set),
+        cfg = TrainConfig(model=model, data=args.data, out=args.out, overrides=overrides,
                           epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
                           weight_decay=args.weight_decay, schedule=args.schedule, amp=args.amp,
                           channels_last=args.channels_last, time_budget=args.time_budget, max_steps=args.max_steps,
                           grad_clip=args.grad_clip, val_size=args.val_size, epoch_size=args.epoch_size,
                           seed=args.seed, eval_batch_size=args.eval_batch_size, test=not args.no_test,
-                          device=args.device)  # fmt: skip
+                          device=args.device, image_size=args.image_size, init=args.init)  # fmt: skip
         get_config(cfg.model, **cfg.overrides)  # fail early on a bad --set
     if resume:  # a step limit applies to one invocation, never to the resumed one
         cfg = dataclasses.replace(cfg, max_steps=args.max_steps)
