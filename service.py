@@ -70,4 +70,5 @@ class CapsuleService:
 
 
 CapsuleService.add_asgi_middleware(serving.RequestGuard, max_bytes=SETTINGS.max_bytes,
-                                   file_fields=serving.FILE_FIELDS, get_routes=("/model",))  # fmt: skip
+                                   file_fields=serving.FILE_FIELDS, get_routes=("/model",),
+                                   unavailable=serving.unavailable_routes(SETTINGS))  # fmt: skip

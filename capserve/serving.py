@@ -217,8 +217,10 @@ class RequestGuard:
     and any other content type gets a 415, instead of reaching BentoML's parser.
     """
 
-    def __init__(self, app: Any, max_bytes: int, file_fields: Mapping[str, str], get_routes: tuple[str, ...] = ()):
+    def __init__(self, app: Any, max_bytes: int, file_fields: Mapping[str, str], get_routes: tuple[str, ...] = (),
+                 unavailable: Mapping[str, str] | None = None):  # fmt: skip
         self.app, self.max_bytes, self.file_fields, self.get_routes = app, max_bytes, dict(file_fields), get_routes
+        self.unavailable = dict(unavailable or {})  # route → the 501 message (``unavailable_routes``)
 
     @staticmethod
     def _body_once(body: bytes, then: Any = None) -> Any:
@@ -248,6 +250,8 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
+        if scope["path"].rstrip("/") in self.unavailable:
+            return await self._reply(send, 501, self.unavailable[scope["path"].rstrip("/")])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             declared = int(headers.get("content-length", "0"))
@@ -698,8 +702,7 @@ class Capsules:
 
     def multilabel_model(self) -> Runtime:
         if self.multilabel_runtime is None:
-            raise self.fail(501, "no multi-label model is served: start the server with CAPSERVE_MULTILABEL_MODEL "
-                                 "set to a multi_label model directory or model-store tag")  # fmt: skip
+            raise self.fail(501, NO_MULTILABEL_MODEL)
         return self.multilabel_runtime
 
     async def logits(self, pixels: np.ndarray, multilabel: bool = False) -> np.ndarray:
@@ -862,6 +865,23 @@ def batch_size_histogram() -> Any:
             labelnames=["endpoint"], buckets=(1, 2, 4, 8, 16, 32, 64, 128),
         ))  # fmt: skip
     return _BATCH_SIZE[0]
+
+
+NO_MULTILABEL_MODEL = (
+    "no multi-label model is served: start the server with CAPSERVE_MULTILABEL_MODEL set to a "
+    "multi_label model directory or model-store tag"
+)
+MULTILABEL_ROUTES = ("/multilabel", "/multilabel_logits")
+
+
+def unavailable_routes(settings: Settings) -> dict[str, str]:
+    """Routes this server answers with 501 before BentoML sees them, each with its how-to-fix message.
+
+    The batchable ``/multilabel_logits`` runs in BentoML's batching task, outside the request, and BentoML replaces
+    the message of a 5xx raised there with a generic one; answered here, the message reaches the client."""
+    if settings.multilabel_model.strip().lower() == "none":
+        return dict.fromkeys(MULTILABEL_ROUTES, NO_MULTILABEL_MODEL)
+    return {}
 
 
 FILE_FIELDS = {"/classify": "image", "/classify_batch": "images", "/multilabel": "image", "/explain": "image"}
