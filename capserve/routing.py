@@ -137,18 +137,17 @@ def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: N
     w = _block_weight(weight, r)  # (N, D, J·D_out)
     # a_ij = <p_j, v_ij> / √D, with the scale folded into the (small) parents
     q = parents.reshape(rows * J, 1, D_out) * D_out**-0.5  # (BPJ, 1, D_out)
-    sums = children.new_empty(rows * J, 1, D_out)  # (BPJ, 1, D_out)
-    coefficients = children.new_empty(rows, J, N) if keep_coefficients else None  # (BP, J, N)
     if torch.compiler.is_exporting():
         # an exported graph takes any batch: one block of all rows, no Python loop over a symbolic size
-        block, vote_buffer = rows, None
+        blocks, vote_buffer = [(0, rows)], None
     else:
         block = block_rows(N * J * D_out * children.element_size())
+        blocks = [(start, min(start + block, rows)) for start in range(0, rows, block)]
         # autograd keeps every block's votes for the backward pass, so only inference reuses one buffer
         recording = torch.is_grad_enabled() and any(t.requires_grad for t in (children, weight, parents))
         vote_buffer = None if recording else children.new_empty(N * min(block, rows) * J * D_out)
-    for start in range(0, rows, block):
-        stop = min(start + block, rows)
+    sums, coefficients = [], []
+    for start, stop in blocks:
         n = stop - start
         u_block = u[start:stop].transpose(0, 1).contiguous()  # (N, n, D): a small copy the product reads fast
         out = None if vote_buffer is None else vote_buffer[: N * n * J * D_out].view(N, n, J * D_out)
@@ -159,8 +158,10 @@ def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: N
         logits = torch.bmm(q[start * J : stop * J], v.transpose(1, 2)).view(n, J, N)  # (n, J, N)
         c = torch.softmax(logits, dim=1)  # (n, J, N): over parents
         # Σ_i r_ij v_ij: per (row, j) a (1, N) @ (N, D_out) product reading the votes in place
-        sums[start * J : stop * J] = torch.bmm(c.view(n * J, 1, N), v)  # (nJ, 1, D_out)
-        if coefficients is not None:
-            coefficients[start:stop] = c
-    new = normalize(sums.view(B, P, J, D_out))  # (B, P, J, D_out)
-    return new, None if coefficients is None else coefficients.view(B, P, J, N).transpose(2, 3)  # (B, P, N, J)
+        sums.append(torch.bmm(c.view(n * J, 1, N), v))  # (nJ, 1, D_out)
+        if keep_coefficients:
+            coefficients.append(c)
+    new = normalize(torch.cat(sums).view(B, P, J, D_out))  # (B, P, J, D_out)
+    if not keep_coefficients:
+        return new, None
+    return new, torch.cat(coefficients).view(B, P, J, N).transpose(2, 3)  # (B, P, N, J)
