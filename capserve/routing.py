@@ -143,9 +143,11 @@ def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: N
     else:
         block = block_rows(N * J * D_out * children.element_size())
         blocks = [(start, min(start + block, rows)) for start in range(0, rows, block)]
-        # autograd keeps every block's votes for the backward pass, so only inference reuses one buffer
+        # autograd keeps every block's votes for the backward pass, and autocast does not cast ``out=`` products,
+        # so only plain inference reuses one buffer
         recording = torch.is_grad_enabled() and any(t.requires_grad for t in (children, weight, parents))
-        vote_buffer = None if recording else children.new_empty(N * min(block, rows) * J * D_out)
+        reuse = not recording and not torch.is_autocast_enabled(children.device.type)
+        vote_buffer = children.new_empty(N * min(block, rows) * J * D_out) if reuse else None
     sums, coefficients = [], []
     for start, stop in blocks:
         n = stop - start

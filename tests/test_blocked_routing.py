@@ -81,6 +81,17 @@ def test_gradients_through_blocks_equal_the_unblocked_ones(monkeypatch, pose):
         torch.testing.assert_close(blocked, expected, rtol=0, atol=1e-10)
 
 
+def test_blocks_under_bf16_autocast_follow_the_float32_step(monkeypatch):
+    """Autocast does not cast products written into a buffer: blocks under autocast allocate their votes."""
+    monkeypatch.setattr(routing, "VOTE_BLOCK_BYTES", 1)
+    children, weight, parents = (t.float() for t in random_step("matrix"))
+    expected, _ = unblocked_step(children, weight, parents, layer_norm)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = routing.routing_step(children, weight, parents, layer_norm)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=0, atol=0.1)
+
+
 def largest_row_bytes(model: capserve.CapsNet) -> int:
     """Bytes of one row of votes (N children × J parents × D) of the model's biggest routed layer, in float64."""
     return max(layer.weight.shape[0] * layer.types * model.config.pose_dim * 8 for layer in model.capsules)
