@@ -38,8 +38,9 @@ Normalize = Callable[[Tensor], Tensor]
 
 # Size of one block of votes in bytes: L3-sized, so that the block is written and read twice while it is still in
 # cache, never page-faulted in fresh, yet large enough that the handful of products per block stay big. Measured
-# on a shared 2-core EPYC (32 MB L3) for the second conv capsule layer at batch 64, each block size against the
-# unblocked step in one interleaved run: 4 MB 1.1×, 8 MB 0.65×, 16 MB 0.5×, 32 MB 0.38×, 64 MB 0.39× the time.
+# on a 2-core EPYC (32 MB L3) for the second conv capsule layer at batch 64, each block size against the unblocked
+# step in one interleaved run: 4, 8, 16, 32, 64 MB took 0.54, 0.45, 0.39, 0.45, 0.45× its time on a quiet
+# machine, and 1.1, 0.65, 0.53, 0.38, 0.39× with other work on the cores (fewer, larger products suffer less).
 VOTE_BLOCK_BYTES = 32 * 2**20
 
 
