@@ -3,6 +3,7 @@
 Usage:
     python benchmarks/bench_model.py                      # cifar10-resnet, batch 64 and 1, T = 1, 2, 3
     python benchmarks/bench_model.py --model cifar10-simple --model cifar100-resnet --batch 64 --repeats 5
+    python benchmarks/bench_model.py --batch 64 --iterations 2 3 --peak 250 5 --peak 64 5 --onnx-peak 32 3
 
 What is measured, all in one run so that the ratios compare like with like on a shared machine:
     backbone   the CNN alone, ``model.backbone(x)``
@@ -23,6 +24,10 @@ head; LayerNorm, softmax and the zeros of block-diagonal weights are not counted
 Peak memory is the RSS high-water mark (``VmHWM``, else ``ru_maxrss``) of a fresh subprocess that builds the
 model and runs two forward passes of one (batch, T) configuration; "base" is the same
 process's high-water mark just before the first forward pass (interpreter, torch, weights, input).
+``--peak B T`` adds such rows without timing (e.g. batch 250 at T = 5); ``--onnx-peak B T`` exports the model
+with T unrolled (``capserve.export.onnx``, in this process) and measures a fresh subprocess that loads the file
+into an ONNX Runtime CPU session and runs it twice on a batch of B ("base": after loading numpy and
+onnxruntime, before the session).
 """
 
 from __future__ import annotations
@@ -148,6 +153,48 @@ def _child(name: str, batch: int, iterations: int, threads: int) -> None:
     print(json.dumps({"base": base, "peak": peak}))
 
 
+def onnx_peak_rss_mb(name: str, batch: int, iterations: int, threads: int) -> tuple[float, float]:
+    """(base, peak) RSS high-water marks in MB of a fresh process running ONNX Runtime on an export at T."""
+    import tempfile
+
+    from capserve.export.onnx import export_onnx
+
+    import capserve
+
+    torch.manual_seed(0)
+    model = capserve.create_model(name).eval()
+    with tempfile.TemporaryDirectory() as folder:
+        path = export_onnx(model, f"{folder}/model.onnx", iterations)
+        command = [sys.executable, __file__, "--onnx-child", str(path), str(batch), str(threads)]
+        result = subprocess.run(command, capture_output=True, text=True, check=True)
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    return data["base"], data["peak"]
+
+
+def _onnx_child(path: str, batch: int, threads: int) -> None:
+    import numpy as np
+    import onnxruntime as ort
+
+    base = _high_water_mb()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    shape = session.get_inputs()[0].shape
+    x = np.random.default_rng(0).standard_normal((batch, *shape[1:]), dtype=np.float32)
+    for _ in range(2):
+        session.run(None, {session.get_inputs()[0].name: x})
+    print(json.dumps({"base": base, "peak": _high_water_mb(), "providers": session.get_providers()}))
+
+
+def print_peak_rows(name: str, eager: list[tuple[int, int]], onnx: list[tuple[int, int]], threads: int) -> None:
+    """Peak-memory rows alone (each a fresh subprocess), eager PyTorch and ONNX Runtime."""
+    print(f"{'model':<18}{'runtime':<13}{'B':>5}{'T':>3}{'base MB':>9}{'peak MB':>9}{'peak - base':>13}")
+    for runtime, rows, measure in (("torch eager", eager, peak_rss_mb), ("onnxruntime", onnx, onnx_peak_rss_mb)):
+        for batch, T in rows:
+            base, peak = measure(name, batch, T, threads)
+            print(f"{name:<18}{runtime:<13}{batch:>5}{T:>3}{base:>9.0f}{peak:>9.0f}{peak - base:>13.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", help="model name (repeatable); default cifar10-resnet")
@@ -156,11 +203,34 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=0, help="timed rounds (default: 7 for batch ≥ 8, else 30)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocesses")
+    parser.add_argument(
+        "--peak",
+        nargs=2,
+        type=int,
+        action="append",
+        default=[],
+        metavar=("B", "T"),
+        help="also measure eager peak memory at batch B and T iterations, untimed (repeatable)",
+    )
+    parser.add_argument(
+        "--onnx-peak",
+        nargs=2,
+        type=int,
+        action="append",
+        default=[],
+        metavar=("B", "T"),
+        help="also measure ONNX Runtime's peak memory at batch B for an export at T (repeatable)",
+    )
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--onnx-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         name, batch, iterations, threads = args.child
         _child(name, int(batch), int(iterations), int(threads))
+        return
+    if args.onnx_child:
+        path, batch, threads = args.onnx_child
+        _onnx_child(path, int(batch), int(threads))
         return
 
     import capserve
@@ -179,6 +249,7 @@ def main() -> None:
     )
     for name in models:
         print(header)
+        ratios = {}
         for batch in args.batch:
             repeats = args.repeats or (7 if batch >= 8 else 30)
             t = time_configurations(name, batch, args.iterations, repeats)
@@ -188,12 +259,18 @@ def main() -> None:
                 gflop = capsule_flops(model, batch, T) / 1e9
                 (whole, whole_min), (backbone, backbone_min) = t["whole", T], t["backbone", 0]
                 caps = t["capsules", T][0]
+                ratios[batch, T] = whole / backbone
                 print(
                     f"{name:<18}{batch:>4}{T:>3}{backbone * 1e3:>13.1f}{caps * 1e3:>13.1f}{whole * 1e3:>10.1f}"
                     f"{whole / backbone:>10.2f}{whole_min / backbone_min:>7.2f}{batch / whole:>9.1f}"
                     f"{gflop:>12.2f}{gflop / caps:>14.1f}{base:>9.0f}{peak:>9.0f}"
                 )
         print(f"(GFLOP/s of the capsule part beside the machine's matmul: {gflops_machine:.0f} GFLOP/s)")
+        for (batch, T), ratio in ratios.items():
+            if T == 3 and batch >= 8:
+                print(f"{name}: whole / backbone at batch {batch}, T = 3: {ratio:.2f} (target <= 1.5, moonshot 1.2)")
+        if args.peak or args.onnx_peak:
+            print_peak_rows(name, [tuple(p) for p in args.peak], [tuple(p) for p in args.onnx_peak], args.threads)
 
 
 if __name__ == "__main__":

@@ -134,10 +134,12 @@ class CapsuleLayer(nn.Module):
         side = (u.shape[1] - self.kernel_size) // self.stride + 1
         return parents.view(B, side, P // side, J, D)  # (B, h, w, J, D)
 
-    def forward(self, u: Tensor, parents: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, u: Tensor, parents: Tensor | None = None, keep_coefficients: bool = False
+                ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
         """One routing iteration: uniform when ``parents`` is None, else attention to the given parents.
 
-        Returns the new parent poses and the routing coefficients (B, P, N, J) (None for the uniform step).
+        Returns the new parent poses and, with ``keep_coefficients``, the routing coefficients (B, P, N, J) of an
+        attention step (None otherwise, and always None for the uniform step).
         """
         if parents is None and self.kind == "conv":  # straight from the grid: no (B, P, N, D) window copy
             grid = routing.uniform_conv_step(self._activate(u), self.weight, self.kernel_size, self.stride, self.norm)
@@ -146,5 +148,7 @@ class CapsuleLayer(nn.Module):
         if parents is None:
             return self._grid(routing.uniform_step(children, self.weight, self.norm), u), None
         B, J, D = parents.shape[0], parents.shape[-2], parents.shape[-1]
-        new, coefficients = routing.routing_step(children, self.weight, parents.reshape(B, -1, J, D), self.norm)
+        new, coefficients = routing.routing_step(
+            children, self.weight, parents.reshape(B, -1, J, D), self.norm, keep_coefficients
+        )
         return self._grid(new, u), coefficients

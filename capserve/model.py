@@ -109,7 +109,7 @@ class CapsNet(nn.Module):
             for layer in self.capsules:
                 parents, c = layer(poses[-1])
                 for _ in range(T - 1):
-                    parents, c = layer(poses[-1], parents)
+                    parents, c = layer(poses[-1], parents, keep_coefficients)
                 poses.append(parents)
                 coefficients.append(c)
         else:
@@ -124,7 +124,7 @@ class CapsNet(nn.Module):
                 previous = list(poses)
                 for i, layer in enumerate(self.capsules):
                     if t <= T - (L - 1 - i):
-                        poses[i + 1], coefficients[i] = layer(previous[i], previous[i + 1])
+                        poses[i + 1], coefficients[i] = layer(previous[i], previous[i + 1], keep_coefficients)
         if keep_coefficients:
             coefficients = [self._uniform(i, poses) if c is None else c for i, c in enumerate(coefficients)]
         return poses, coefficients  # type: ignore[return-value]

@@ -14,9 +14,13 @@ or, for a conv capsule layer, one ``conv2d`` over the child grid (``uniform_conv
 gathering the k×k windows.
 
 Later steps need every vote: the agreement is a three-way contraction (children, weights, parents), and any
-two-operand order builds a tensor of D values per (child, parent, position). ``routing_step`` builds that
-tensor once, as the votes laid out (N, B, P, J, D), and reads it in place twice: the agreement and the
-weighted sum are both batched matrix products over (B·P·J) with the children as the inner dimension.
+two-operand order builds a tensor of D values per (child, parent, position), far too big to hold whole (7 GB
+for the first conv capsule layer of cifar10-resnet at batch 250). ``routing_step`` therefore works through the
+(batch × position) rows a block at a time: a block's votes are written into one buffer, reused by every block,
+that is small enough to stay in cache (``VOTE_BLOCK_BYTES``), then read in place twice: the agreement and the
+weighted sum are both batched matrix products over (rows·J) with the children as the inner dimension. Rows are
+independent (the softmax is over parents, per child and row), so the blocks give the same numbers as one big
+block. Memory for a step is the block buffer plus its inputs and outputs, whatever the batch and T.
 
 Weights have shape (N, J, X, Y): a child pose of D values is viewed as r rows of X values (matrix: r = X = √D;
 vector: r = 1, X = D_in) and each row is mapped to Y values, so a parent pose has D_out = r·Y values.
@@ -31,6 +35,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 Normalize = Callable[[Tensor], Tensor]
+
+# Size of one block of votes in bytes: L3-sized, so that the block is written and read twice while it is still in
+# cache, never page-faulted in fresh, yet large enough that the handful of products per block stay big. Measured
+# on a 2-core EPYC (32 MB L3) for the second conv capsule layer at batch 64, each block size against the unblocked
+# step in one interleaved run: 4, 8, 16, 32, 64 MB took 0.54, 0.45, 0.39, 0.45, 0.45× its time on a quiet
+# machine, and 1.1, 0.65, 0.53, 0.38, 0.39× with other work on the cores (fewer, larger products suffer less).
+VOTE_BLOCK_BYTES = 32 * 2**20
 
 
 def _rows(children: Tensor, weight: Tensor) -> int:
@@ -101,42 +112,59 @@ def _block_weight(weight: Tensor, rows: int) -> Tensor:
     return w.reshape(N, rows * X, J * rows * Y)  # (N, rX, J·D_out)
 
 
-def votes(children: Tensor, weight: Tensor) -> Tensor:
-    """All votes v_ij, as one matrix product per child (batched over N).
-
-    Args:
-        children: (B, P, N, D) child poses.
-        weight: (N, J, X, Y) transforms.
-    Returns:
-        (N, B, P, J, D_out) votes: the pose of vote (i, j) at position (b, p) is [i, b, p, j, :].
-    """
-    B, P, N, D = children.shape
-    J, Y = weight.shape[1], weight.shape[3]
-    r = _rows(children, weight)
-    u = children.permute(2, 0, 1, 3).reshape(N, B * P, D)  # (N, BP, D)
-    v = torch.bmm(u, _block_weight(weight, r))  # (N, BP, J·D_out)
-    return v.view(N, B, P, J, r * Y)  # (N, B, P, J, D_out)
+def block_rows(row_bytes: int) -> int:
+    """How many (batch × position) rows of votes, of ``row_bytes`` each, one block holds (at least one)."""
+    return max(1, VOTE_BLOCK_BYTES // row_bytes)
 
 
-def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: Normalize) -> tuple[Tensor, Tensor]:
-    """One inverted dot-product attention iteration given the parents' current poses.
+def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: Normalize,
+                 keep_coefficients: bool = False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """One inverted dot-product attention iteration given the parents' current poses, a block of rows at a time.
 
     Args:
         children: (B, P, N, D) child poses.
         weight: (N, J, X, Y) transforms.
         parents: (B, P, J, D_out) parent poses from the previous iteration.
+        keep_coefficients: also return the routing coefficients (B·P·N·J values: as many as the votes ÷ D).
     Returns:
         parents: (B, P, J, D_out) updated parent poses.
-        coefficients: (B, P, N, J) routing probabilities r_ij, summing to 1 over J (a transposed view).
+        coefficients: (B, P, N, J) routing probabilities r_ij, summing to 1 over J (a transposed view), or None.
     """
-    v = votes(children, weight)  # (N, B, P, J, D_out)
-    N, B, P, J, D = v.shape
-    # the votes seen per (b, p, j): N rows of D values, strided over the leading N; a view, never a copy
-    v = v.view(N, B * P * J, D).transpose(0, 1)  # (BPJ, N, D_out)
+    B, P, N, D = children.shape
+    J, Y = weight.shape[1], weight.shape[3]
+    r = _rows(children, weight)
+    D_out, rows = r * Y, B * P
+    u = children.reshape(rows, N, D)  # (BP, N, D)
+    w = _block_weight(weight, r)  # (N, D, J·D_out)
     # a_ij = <p_j, v_ij> / √D, with the scale folded into the (small) parents
-    q = parents.reshape(B * P * J, D, 1) * D**-0.5  # (BPJ, D_out, 1)
-    logits = torch.bmm(v, q).view(B, P, J, N)  # (B, P, J, N)
-    coefficients = torch.softmax(logits, dim=2)  # (B, P, J, N)
-    # Σ_i r_ij v_ij: per (b, p, j) a (1, N) @ (N, D_out) product reading the votes in place
-    s = torch.bmm(coefficients.view(B * P * J, 1, N), v)  # (BPJ, 1, D_out)
-    return normalize(s.view(B, P, J, D)), coefficients.transpose(2, 3)  # (B, P, J, D_out), (B, P, N, J)
+    q = parents.reshape(rows * J, 1, D_out) * D_out**-0.5  # (BPJ, 1, D_out)
+    if torch.compiler.is_exporting():
+        # an exported graph takes any batch: one block of all rows, no Python loop over a symbolic size
+        blocks, vote_buffer = [(0, rows)], None
+    else:
+        block = block_rows(N * J * D_out * children.element_size())
+        blocks = [(start, min(start + block, rows)) for start in range(0, rows, block)]
+        # autograd keeps every block's votes for the backward pass, and autocast does not cast ``out=`` products,
+        # so only plain inference reuses one buffer
+        recording = torch.is_grad_enabled() and any(t.requires_grad for t in (children, weight, parents))
+        reuse = not recording and not torch.is_autocast_enabled(children.device.type)
+        vote_buffer = children.new_empty(N * min(block, rows) * J * D_out) if reuse else None
+    sums, coefficients = [], []
+    for start, stop in blocks:
+        n = stop - start
+        u_block = u[start:stop].transpose(0, 1).contiguous()  # (N, n, D): a small copy the product reads fast
+        out = None if vote_buffer is None else vote_buffer[: N * n * J * D_out].view(N, n, J * D_out)
+        v = torch.bmm(u_block, w, out=out)  # (N, n, J·D_out): one product per child
+        # the votes seen per (row, j): N rows of D values, strided over the leading N; a view, never a copy
+        v = v.view(N, n * J, D_out).transpose(0, 1)  # (nJ, N, D_out)
+        # (1, D_out) @ (D_out, N) per (row, j): parents first, so the logits come out (n, J, N) for the softmax
+        logits = torch.bmm(q[start * J : stop * J], v.transpose(1, 2)).view(n, J, N)  # (n, J, N)
+        c = torch.softmax(logits, dim=1)  # (n, J, N): over parents
+        # Σ_i r_ij v_ij: per (row, j) a (1, N) @ (N, D_out) product reading the votes in place
+        sums.append(torch.bmm(c.view(n * J, 1, N), v))  # (nJ, 1, D_out)
+        if keep_coefficients:
+            coefficients.append(c)
+    new = normalize(torch.cat(sums).view(B, P, J, D_out))  # (B, P, J, D_out)
+    if not keep_coefficients:
+        return new, None
+    return new, torch.cat(coefficients).view(B, P, J, N).transpose(2, 3)  # (B, P, N, J)

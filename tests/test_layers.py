@@ -33,8 +33,9 @@ def test_conv_layer_output_grid_and_fc_flattening():
     fc = CapsuleLayer(CapsuleLayerConfig("fc", 4), 5, 3, "vector", 6)
     out, _ = fc(parents)
     assert out.shape == (2, 4, 6)
-    out2, coef = fc(parents, out)
+    out2, coef = fc(parents, out, keep_coefficients=True)
     assert out2.shape == (2, 4, 6) and coef.shape == (2, 1, 45, 4)
+    assert fc(parents, out)[1] is None  # coefficients (as many values as the votes ÷ D) only when asked for
 
 
 def test_weights_are_shared_across_positions():
@@ -56,7 +57,7 @@ def test_conv_uniform_pass_equals_attention_from_zero_parents(pose, activations)
     layer = CapsuleLayer(CapsuleLayerConfig("conv", 5, 3, 2), 3, 7, pose, 16, activations=activations).double()
     u = torch.randn(2, 7, 7, 3, 16, dtype=torch.float64)
     uniform, _ = layer(u)
-    from_zero, coef = layer(u, torch.zeros_like(uniform))
+    from_zero, coef = layer(u, torch.zeros_like(uniform), keep_coefficients=True)
     torch.testing.assert_close(uniform, from_zero)
     torch.testing.assert_close(coef, torch.full_like(coef, 1 / 5))
 

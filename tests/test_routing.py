@@ -53,7 +53,7 @@ def test_routing_step_matches_the_literal_algorithm(pose):
     parents = torch.randn(B, P, J, D, dtype=torch.float64)
 
     expected, expected_coef = reference_step(children, weight, parents, pose)
-    got, coef = routing.routing_step(children, weight, parents, layer_norm)
+    got, coef = routing.routing_step(children, weight, parents, layer_norm, keep_coefficients=True)
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(coef, expected_coef)
 
@@ -77,7 +77,7 @@ def test_uniform_step_is_the_first_iteration_from_zero_parents(pose):
 def test_coefficients_are_a_distribution_over_parents():
     torch.manual_seed(2)
     children, weight, parents = torch.randn(3, 2, 7, 16), torch.randn(7, 5, 4, 4), torch.randn(3, 2, 5, 16)
-    _, coef = routing.routing_step(children, weight, parents, layer_norm)
+    _, coef = routing.routing_step(children, weight, parents, layer_norm, keep_coefficients=True)
     assert coef.shape == (3, 2, 7, 5)
     assert torch.all(coef > 0)
     torch.testing.assert_close(coef.sum(-1), torch.ones(3, 2, 7))
@@ -88,7 +88,7 @@ def test_two_children_two_parents_by_hand():
     children = torch.tensor([[[[1.0, 0.0], [0.0, 1.0]]]])  # (B=1, P=1, N=2, D=2)
     weight = torch.eye(2).expand(2, 2, 2, 2).clone()  # W_ij = I
     parents = torch.tensor([[[[2.0, 0.0], [0.0, 0.0]]]])  # parent 0 points along child 0
-    new, coef = routing.routing_step(children, weight, parents, lambda s: s)  # no LayerNorm: see raw sums
+    new, coef = routing.routing_step(children, weight, parents, lambda s: s, keep_coefficients=True)  # raw sums
 
     # child 0: a = (<(2,0),(1,0)>, 0) / √2 = (√2, 0); child 1: a = (0, 0)
     r0 = math.exp(math.sqrt(2)) / (math.exp(math.sqrt(2)) + 1)
@@ -101,18 +101,18 @@ def test_two_children_two_parents_by_hand():
 
 
 @pytest.mark.parametrize("pose", ["matrix", "vector"])
-def test_votes_layout_holds_each_vote_pose_contiguously(pose):
+def test_block_weight_maps_a_child_pose_to_every_vote_pose(pose):
+    """One product of a child pose with its block weight gives its J votes, each vote's D values adjacent."""
     torch.manual_seed(3)
-    B, P, N, J, D = 2, 3, 4, 5, 9
+    N, J, D = 4, 5, 9
     x = y = 3 if pose == "matrix" else D
-    children = torch.randn(B, P, N, D, dtype=torch.float64)
+    children = torch.randn(N, D, dtype=torch.float64)
     weight = torch.randn(N, J, x, y, dtype=torch.float64)
-    v = routing.votes(children, weight)
-    assert v.shape == (N, B, P, J, D)
-    for b, p, i, j in [(0, 0, 0, 0), (1, 2, 3, 4), (1, 0, 2, 1)]:
-        u = children[b, p, i]
+    block = routing._block_weight(weight, D // x)  # (N, D, J·D)
+    for i, j in [(0, 0), (3, 4), (2, 1)]:
+        u = children[i]
         expected = (u.view(x, x) @ weight[i, j]).flatten() if pose == "matrix" else weight[i, j].T @ u
-        torch.testing.assert_close(v[i, b, p, j], expected)
+        torch.testing.assert_close((u @ block[i]).view(J, D)[j], expected)
 
 
 @pytest.mark.parametrize("pose", ["matrix", "vector"])
