@@ -530,7 +530,7 @@ def test_metrics_readyz_livez(server):
 def failed_start(tmp: Path, **env: str) -> str:
     """Start a server that cannot load its model: it must stop by itself with exit status 3 (not 0, which
     supervisors and orchestrators read as success; not respawning its worker forever)."""
-    proc, _, log = start_server(tmp, CAPSERVE_MULTILABEL_MODEL="none", **env)
+    proc, _, log = start_server(tmp, **{"CAPSERVE_MULTILABEL_MODEL": "none", **env})
     try:
         proc.wait(90)
     except subprocess.TimeoutExpired:
