@@ -10,14 +10,30 @@ machine's cores with the server: on a small machine its own CPU time is part of 
     python benchmarks/bench_http.py                       # random-weight cifar10-resnet unless models/cifar10 exists
     python benchmarks/bench_http.py --model models/cifar10 --requests 500 --rss-requests 10000
     python benchmarks/bench_http.py --configs onnxruntime:fp32 torch:bf16 torch:fp32 --batching on --rss-requests 0
+
+First, the comparison with the alternatives a user could write (issue #11), with ``wrk`` as the load generator (C,
+one thread: it takes little of the server's CPU) POSTing one 32×32 PNG as multipart (``benchmarks/multipart.lua``)
+to one server at a time (the others paused with SIGSTOP), servers interleaved over ``--table-rounds`` rounds,
+medians printed: raw ONNX Runtime at batch 32 in-process, then requests/s at concurrency 32 (÷ raw), p50 at
+concurrency 1 and the server's CPU time per request, for a plain FastAPI + ONNX Runtime server (one image per run,
+``benchmarks/peers/fastapi_server.py``), LitServe with dynamic batching (max 32, 5 ms,
+``benchmarks/peers/litserve_server.py``), and capserve's ``/classify`` and ``/multilabel`` (each against its own
+model's raw figure). The peers are benchmark tools, not capserve dependencies. Set-up, once::
+
+    apt-get install -y wrk                                  # or build it from https://github.com/wg/wrk
+    .venv/bin/pip install fastapi uvicorn litserve           # the peers (a missing one is skipped with a note)
+    python benchmarks/bench_http.py --table-only             # the table alone (about 2 minutes)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -233,6 +249,159 @@ def row(name: str, endpoint: str, c: int, result: tuple[float, np.ndarray, dict]
     )
 
 
+# ---------------------------------------------------------------------------- issue #11's table: peers and wrk
+
+WRK_SCRIPT = ROOT / "benchmarks" / "multipart.lua"
+PEERS = ROOT / "benchmarks" / "peers"
+
+
+class PeerServer:
+    """A benchmark peer (FastAPI or LitServe) in its own process, ready once it answers ``/classify`` with 200."""
+
+    def __init__(self, name: str, command: list[str], tmp: Path, png: Path, env: dict[str, str] | None = None):
+        self.name, self.port = name, int(command[-1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"peer-{self.port}.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited:\n{self.log.read_text()[-2000:]}")
+            try:
+                files = {"image": ("image.png", png.read_bytes(), "image/png")}
+                if httpx.post(f"{self.url}/classify", files=files, timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{name} not ready:\n{self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # LitServe runs its inference workers as child processes
+            self.proc.wait(20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a server and its child processes so far."""
+    total = 0.0
+    for p in process_tree(pid):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def pause(pid: int, paused: bool) -> None:
+    """SIGSTOP (or SIGCONT) a server's process tree: one server at a time gets the CPU."""
+    for p in process_tree(pid):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.suspend() if paused else p.resume()
+
+
+def run_wrk(url: str, png: Path, concurrency: int, seconds: int) -> dict[str, float]:
+    """One ``wrk`` run (one thread, ``concurrency`` connections) POSTing ``png`` as multipart: its summary."""
+    env = {**os.environ, "WRK_FILE": str(png), "WRK_FIELD": "image", "WRK_TYPE": "image/png"}
+    out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--timeout", "60s", "-s",
+                          str(WRK_SCRIPT), url], capture_output=True, text=True, env=env, check=True)  # fmt: skip
+    line = next(line for line in out.stdout.splitlines() if line.startswith("WRK_JSON "))
+    return json.loads(line.removeprefix("WRK_JSON "))
+
+
+def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, seconds: int) -> None:
+    """Issue #11's table: raw batch-32 throughput, then each server's req/s at concurrency 32 (÷ its raw figure),
+    p50 at concurrency 1, errors and server CPU ms per request (medians over interleaved rounds)."""
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk not found: `apt-get install -y wrk` (see this script's docstring), or --no-table")
+    meta = load_runtime(model / "model.onnx").metadata
+    png = tmp / "image.png"
+    png.write_bytes(pngs(1, meta.image_size)[0])
+    ml_png = tmp / "multilabel.png"
+    raw = raw_throughput(model, ["onnxruntime:fp32"], [32], 6.0, explain=False)["onnxruntime:fp32"]["predict@32"]
+    ml_raw = None
+    if multilabel:
+        ml_png.write_bytes(pngs(1, load_runtime(multilabel / "model.onnx").metadata.image_size)[0])
+        ml_raw = raw_throughput(multilabel, ["onnxruntime:fp32"], [32], 6.0, explain=False)["onnxruntime:fp32"]
+        ml_raw = ml_raw["predict@32"]
+
+    onnx = str(model / "model.onnx")
+    python, uvicorn = sys.executable, str(Path(sys.executable).with_name("uvicorn"))
+    servers: dict[str, tuple[Any, str, Path, float]] = {}  # row → (server, url path, upload, raw img/s)
+    started: list[Any] = []
+    try:
+        for name, module, command, env in [
+            ("FastAPI + ONNX Runtime, one image per run", "fastapi",
+             [uvicorn, "benchmarks.peers.fastapi_server:app", "--log-level", "warning", "--port"],
+             {"PEER_MODEL": onnx}),
+            ("LitServe, batching max 32 / 5 ms", "litserve", [python, str(PEERS / "litserve_server.py"), onnx], {}),
+        ]:  # fmt: skip
+            try:
+                __import__(module)
+                peer = PeerServer(name, [*command, str(free_port())], tmp, png, env)
+            except (ImportError, RuntimeError) as e:
+                print(f"{name}: skipped ({type(e).__name__}: {str(e)[-300:]}); `pip install fastapi uvicorn "
+                      "litserve` into this venv", flush=True)  # fmt: skip
+                continue
+            started.append(peer)
+            servers[name] = (peer, "/classify", png, raw)
+        capserve = Server(model, multilabel, tmp, CAPSERVE_MAX_BATCH_SIZE="32")
+        started.append(capserve)
+        servers["capserve /classify (BentoML)"] = (capserve, "/classify", png, raw)
+        if multilabel and ml_raw:
+            servers["capserve /multilabel (BentoML)"] = (capserve, "/multilabel", ml_png, ml_raw)
+        for server in started:
+            pause(server.proc.pid, True)
+
+        figures = {name: {"rps": [], "p50": [], "cpu": [], "errors": []} for name in servers}
+        for _ in range(rounds):
+            for name, (server, path, upload, _) in servers.items():
+                pause(server.proc.pid, False)
+                try:
+                    run_wrk(server.url + path, upload, 8, 1)  # warm-up
+                    cpu = cpu_seconds(server.proc.pid)
+                    busy = run_wrk(server.url + path, upload, 32, seconds)
+                    cpu = cpu_seconds(server.proc.pid) - cpu
+                    single = run_wrk(server.url + path, upload, 1, seconds)
+                finally:
+                    pause(server.proc.pid, True)
+                f = figures[name]
+                f["rps"].append(busy["requests"] / busy["seconds"])
+                f["p50"].append(single["p50_ms"])
+                f["cpu"].append(1000 * cpu / max(busy["requests"], 1))
+                f["errors"].append(sum(busy[k] + single[k] for k in ("connect", "read", "write", "status", "timeout")))
+    finally:
+        for server in started:
+            pause(server.proc.pid, False)
+            server.stop()
+
+    print(
+        f"\nissue #11 table: wrk, one 32×32 PNG as multipart, one server at a time, medians of {rounds} "
+        f"interleaved rounds of {seconds:g} s ({os.cpu_count()} CPUs; server CPU ms per request at concurrency 32)"
+    )
+    print(f"  {'server':44s} {'c=32 req/s':>10s} {'÷ raw':>6s} {'c=1 p50 ms':>10s} {'errors':>6s} {'CPU ms/req':>10s}")
+    print(f"  {'raw ONNX Runtime, batch 32, in-process':44s} {raw:10.1f} {1:6.2f} {'—':>10s}")
+    if ml_raw:
+        print(f"  {'raw ONNX Runtime, multi-label model, batch 32':44s} {ml_raw:10.1f} {1:6.2f} {'—':>10s}")
+    for name, f in figures.items():
+        rps, reference = float(np.median(f["rps"])), servers[name][3]
+        print(f"  {name:44s} {rps:10.1f} {rps / reference:6.2f} {np.median(f['p50']):10.1f} "
+              f"{int(sum(f['errors'])):6d} {np.median(f['cpu']):10.2f}  (rounds: "
+              f"{', '.join(f'{r:.0f}' for r in f['rps'])} req/s)", flush=True)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=ROOT / "models" / "cifar10", help="model directory with model.onnx")
@@ -247,6 +416,11 @@ def main() -> None:
     p.add_argument("--batch-images", type=int, default=32, help="images per /classify_batch request (0: skip)")
     p.add_argument("--rss-requests", type=int, default=3000, help="requests of the memory run (concurrency 32)")
     p.add_argument("--max-latency-ms", type=int, default=10_000, help="adaptive batching latency budget (503 above)")
+    table = p.add_mutually_exclusive_group()
+    table.add_argument("--table-only", action="store_true", help="only issue #11's table (peers, wrk)")
+    table.add_argument("--no-table", action="store_true", help="skip issue #11's table (no wrk needed)")
+    p.add_argument("--table-rounds", type=int, default=3, help="interleaved rounds of the table (medians)")
+    p.add_argument("--table-seconds", type=int, default=5, help="seconds of each wrk run in the table")
     args = p.parse_args()
     for config in args.configs:
         backend, _, precision = config.partition(":")
@@ -261,6 +435,10 @@ def main() -> None:
             print(f"{model}/model.onnx not found: benchmarking a random-weight cifar10-resnet", flush=True)
             model = random_model(tmp / "cifar10")
         multilabel = args.multilabel_model if (args.multilabel_model / "model.onnx").is_file() else None
+        if not args.no_table:
+            peer_table(model, multilabel, tmp, args.table_rounds, args.table_seconds)
+            if args.table_only:
+                return
         meta = load_runtime(model / "model.onnx").metadata
         bodies = pngs(64, meta.image_size)
         ml_bodies = pngs(64, load_runtime(multilabel).metadata.image_size) if multilabel else []
