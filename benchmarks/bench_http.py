@@ -321,26 +321,54 @@ def run_wrk(url: str, png: Path, concurrency: int, seconds: int) -> dict[str, fl
     return json.loads(line.removeprefix("WRK_JSON "))
 
 
+class RawMeter:
+    """Raw ONNX Runtime throughput at batch 32, in-process, in a worker thread (as the server runs inference):
+    measured right before each server's turn, so that each ratio compares figures taken under the same background
+    load."""
+
+    def __init__(self, models: dict[str, Path]):
+        self.pool = ThreadPoolExecutor(1)
+        self.runtimes = {key: open_runtime(path, "onnxruntime:fp32") for key, path in models.items()}
+        self.inputs = {}
+        for key, runtime in self.runtimes.items():
+            pixels = np.random.default_rng(0).integers(0, 256, (32, *runtime.metadata.input_shape), np.uint8)
+            self.inputs[key] = images.normalize_images(pixels, runtime.metadata)  # (32, C, H, W)
+            runtime.predict(self.inputs[key])  # warm-up
+
+    def __call__(self, key: str, seconds: float) -> float:
+        """Images per second: the median batch of those run in ``seconds`` (at least 3)."""
+        return self.pool.submit(self._measure, key, seconds).result()
+
+    def _measure(self, key: str, seconds: float) -> float:
+        runtime, x = self.runtimes[key], self.inputs[key]
+        times: list[float] = []
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline or len(times) < 3:
+            t = time.perf_counter()
+            runtime.predict(x)
+            times.append(time.perf_counter() - t)
+        return len(x) / float(np.median(times))
+
+
 def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, seconds: int) -> None:
-    """Issue #11's table: raw batch-32 throughput, then each server's req/s at concurrency 32 (÷ its raw figure),
-    p50 at concurrency 1, errors and server CPU ms per request (medians over interleaved rounds)."""
+    """Issue #11's table: raw batch-32 throughput, then each server's req/s at concurrency 32 (÷ the raw figure
+    measured just before), p50 at concurrency 1, errors and server CPU ms per request (medians over interleaved
+    rounds)."""
     if shutil.which("wrk") is None:
         raise SystemExit("wrk not found: `apt-get install -y wrk` (see this script's docstring), or --no-table")
     meta = load_runtime(model / "model.onnx").metadata
     png = tmp / "image.png"
     png.write_bytes(pngs(1, meta.image_size)[0])
     ml_png = tmp / "multilabel.png"
-    raw = raw_throughput(model, ["onnxruntime:fp32"], [32], 6.0, explain=False)["onnxruntime:fp32"]["predict@32"]
-    ml_raw = None
     if multilabel:
         ml_png.write_bytes(pngs(1, load_runtime(multilabel / "model.onnx").metadata.image_size)[0])
-        ml_raw = raw_throughput(multilabel, ["onnxruntime:fp32"], [32], 6.0, explain=False)["onnxruntime:fp32"]
-        ml_raw = ml_raw["predict@32"]
+    raw = RawMeter({"single": model, **({"multi": multilabel} if multilabel else {})})
 
     onnx = str(model / "model.onnx")
     python, uvicorn = sys.executable, str(Path(sys.executable).with_name("uvicorn"))
-    servers: dict[str, tuple[Any, str, Path, float]] = {}  # row → (server, url path, upload, raw img/s)
+    servers: dict[str, tuple[Any, str, Path, str]] = {}  # row → (server, url path, upload, raw model key)
     started: list[Any] = []
+    figures: dict[str, dict[str, list[float]]] = {}
     try:
         for name, module, command, env in [
             ("FastAPI + ONNX Runtime, one image per run", "fastapi",
@@ -356,18 +384,20 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
                       "litserve` into this venv", flush=True)  # fmt: skip
                 continue
             started.append(peer)
-            servers[name] = (peer, "/classify", png, raw)
+            servers[name] = (peer, "/classify", png, "single")
         capserve = Server(model, multilabel, tmp, CAPSERVE_MAX_BATCH_SIZE="32")
         started.append(capserve)
-        servers["capserve /classify (BentoML)"] = (capserve, "/classify", png, raw)
-        if multilabel and ml_raw:
-            servers["capserve /multilabel (BentoML)"] = (capserve, "/multilabel", ml_png, ml_raw)
+        servers["capserve /classify (BentoML)"] = (capserve, "/classify", png, "single")
+        if multilabel:
+            servers["capserve /multilabel (BentoML)"] = (capserve, "/multilabel", ml_png, "multi")
         for server in started:
             pause(server.proc.pid, True)
 
-        figures = {name: {"rps": [], "p50": [], "cpu": [], "errors": []} for name in servers}
+        figures = {name: {"raw": [], "rps": [], "p50": [], "cpu": [], "errors": []} for name in servers}
         for _ in range(rounds):
-            for name, (server, path, upload, _) in servers.items():
+            for name, (server, path, upload, key) in servers.items():
+                f = figures[name]
+                f["raw"].append(raw(key, 2.0))
                 pause(server.proc.pid, False)
                 try:
                     run_wrk(server.url + path, upload, 8, 1)  # warm-up
@@ -377,7 +407,6 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
                     single = run_wrk(server.url + path, upload, 1, seconds)
                 finally:
                     pause(server.proc.pid, True)
-                f = figures[name]
                 f["rps"].append(busy["requests"] / busy["seconds"])
                 f["p50"].append(single["p50_ms"])
                 f["cpu"].append(1000 * cpu / max(busy["requests"], 1))
@@ -388,18 +417,22 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
             server.stop()
 
     print(
-        f"\nissue #11 table: wrk, one 32×32 PNG as multipart, one server at a time, medians of {rounds} "
-        f"interleaved rounds of {seconds:g} s ({os.cpu_count()} CPUs; server CPU ms per request at concurrency 32)"
+        f"\nissue #11 table: wrk, one 32×32 PNG as multipart, one server at a time, medians of {rounds} interleaved "
+        f"rounds of {seconds:g} s ({os.cpu_count()} CPUs); ÷ raw: each turn against raw batch 32 measured just "
+        "before it; CPU: the server's CPU ms per request at concurrency 32"
     )
     print(f"  {'server':44s} {'c=32 req/s':>10s} {'÷ raw':>6s} {'c=1 p50 ms':>10s} {'errors':>6s} {'CPU ms/req':>10s}")
-    print(f"  {'raw ONNX Runtime, batch 32, in-process':44s} {raw:10.1f} {1:6.2f} {'—':>10s}")
-    if ml_raw:
-        print(f"  {'raw ONNX Runtime, multi-label model, batch 32':44s} {ml_raw:10.1f} {1:6.2f} {'—':>10s}")
+    for key, label in (("single", "raw ONNX Runtime, batch 32, in-process"),
+                       ("multi", "raw ONNX Runtime, multi-label model, batch 32")):  # fmt: skip
+        measured = [r for name, f in figures.items() if servers[name][3] == key for r in f["raw"]]
+        if measured:
+            print(f"  {label:44s} {np.median(measured):10.1f} {1:6.2f} {'—':>10s}  (img/s)")
     for name, f in figures.items():
-        rps, reference = float(np.median(f["rps"])), servers[name][3]
-        print(f"  {name:44s} {rps:10.1f} {rps / reference:6.2f} {np.median(f['p50']):10.1f} "
+        ratios = np.array(f["rps"]) / np.array(f["raw"])
+        print(f"  {name:44s} {np.median(f['rps']):10.1f} {np.median(ratios):6.2f} {np.median(f['p50']):10.1f} "
               f"{int(sum(f['errors'])):6d} {np.median(f['cpu']):10.2f}  (rounds: "
-              f"{', '.join(f'{r:.0f}' for r in f['rps'])} req/s)", flush=True)  # fmt: skip
+              f"{', '.join(f'{r:.0f}/{w:.0f}' for r, w in zip(f['rps'], f['raw'], strict=True))} req/s / raw)",
+              flush=True)  # fmt: skip
 
 
 def main() -> None:
