@@ -144,6 +144,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc: subprocess.Popen, log: Path, probe: Callable[[], httpx.Response], timeout: float = 120) -> str:
+    """Polls ``probe`` until it answers 200: "" when it did, else what went wrong with the log's tail."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited:\n{log.read_text()[-2000:]}"
+        try:
+            if probe().status_code == 200:
+                return ""
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    return f"not ready:\n{log.read_text()[-2000:]}"
+
+
 class Server:
     def __init__(self, model: Path, multilabel: Path | None, tmp: Path, **env: str):
         self.port = free_port()
@@ -157,18 +172,10 @@ class Server:
             self.proc = subprocess.Popen([bentoml, "serve", "service:CapsuleService", "--host", "127.0.0.1",
                                           "--port", str(self.port)], cwd=ROOT, env=environ, stdout=out,
                                          stderr=subprocess.STDOUT)  # fmt: skip
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited:\n{self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise SystemExit(f"server not ready:\n{self.log.read_text()[-2000:]}")
+        error = wait_ready(self.proc, self.log, lambda: httpx.get(f"{self.url}/readyz", timeout=2), 180)
+        if error:
+            self.stop()
+            raise SystemExit(f"server {error}")
 
     def rss_mib(self) -> float:
         """Resident memory of the server and its workers."""
@@ -265,19 +272,11 @@ class PeerServer:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited:\n{self.log.read_text()[-2000:]}")
-            try:
-                files = {"image": ("image.png", png.read_bytes(), "image/png")}
-                if httpx.post(f"{self.url}/classify", files=files, timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"{name} not ready:\n{self.log.read_text()[-2000:]}")
+        files = {"image": ("image.png", png.read_bytes(), "image/png")}
+        error = wait_ready(self.proc, self.log, lambda: httpx.post(f"{self.url}/classify", files=files, timeout=5))
+        if error:
+            self.stop()
+            raise RuntimeError(f"{name} {error}")
 
     def stop(self) -> None:
         try:
