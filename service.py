@@ -21,7 +21,8 @@ SETTINGS = serving.settings_or_exit()  # read at import: the batching limits go 
 BATCH = dict(batchable=True, max_batch_size=max(SETTINGS.max_batch_size, 2), max_latency_ms=SETTINGS.max_latency_ms)
 
 
-@bentoml.service(name="capserve", traffic={"timeout": 60}, workers=1, metrics={"enabled": True})
+@bentoml.service(name="capserve", traffic={"timeout": 60}, workers=1, metrics={"enabled": True},
+                 logging={"access": {"enabled": SETTINGS.access_log}})  # fmt: skip
 class CapsuleService:
     def __init__(self) -> None:
         self.capsules = serving.Capsules(SETTINGS)  # loads and warms up; a failure stops the server (status 3)

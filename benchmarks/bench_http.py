@@ -10,14 +10,30 @@ machine's cores with the server: on a small machine its own CPU time is part of 
     python benchmarks/bench_http.py                       # random-weight cifar10-resnet unless models/cifar10 exists
     python benchmarks/bench_http.py --model models/cifar10 --requests 500 --rss-requests 10000
     python benchmarks/bench_http.py --configs onnxruntime:fp32 torch:bf16 torch:fp32 --batching on --rss-requests 0
+
+First, the comparison with the alternatives a user could write (issue #11), with ``wrk`` as the load generator (C,
+one thread: it takes little of the server's CPU) POSTing one 32×32 PNG as multipart (``benchmarks/multipart.lua``)
+to one server at a time (the others paused with SIGSTOP), servers interleaved over ``--table-rounds`` rounds,
+medians printed: raw ONNX Runtime at batch 32 in-process, then requests/s at concurrency 32 (÷ raw), p50 at
+concurrency 1 and the server's CPU time per request, for a plain FastAPI + ONNX Runtime server (one image per run,
+``benchmarks/peers/fastapi_server.py``), LitServe with dynamic batching (max 32, 5 ms,
+``benchmarks/peers/litserve_server.py``), and capserve's ``/classify`` and ``/multilabel`` (each against its own
+model's raw figure). The peers are benchmark tools, not capserve dependencies. Set-up, once::
+
+    apt-get install -y wrk                                  # or build it from https://github.com/wg/wrk
+    .venv/bin/pip install fastapi uvicorn litserve           # the peers (a missing one is skipped with a note)
+    python benchmarks/bench_http.py --table-only             # the table alone (about 2 minutes)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -128,6 +144,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc: subprocess.Popen, log: Path, probe: Callable[[], httpx.Response], timeout: float = 120) -> str:
+    """Polls ``probe`` until it answers 200: "" when it did, else what went wrong with the log's tail."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited:\n{log.read_text()[-2000:]}"
+        try:
+            if probe().status_code == 200:
+                return ""
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    return f"not ready:\n{log.read_text()[-2000:]}"
+
+
 class Server:
     def __init__(self, model: Path, multilabel: Path | None, tmp: Path, **env: str):
         self.port = free_port()
@@ -141,18 +172,10 @@ class Server:
             self.proc = subprocess.Popen([bentoml, "serve", "service:CapsuleService", "--host", "127.0.0.1",
                                           "--port", str(self.port)], cwd=ROOT, env=environ, stdout=out,
                                          stderr=subprocess.STDOUT)  # fmt: skip
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited:\n{self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise SystemExit(f"server not ready:\n{self.log.read_text()[-2000:]}")
+        error = wait_ready(self.proc, self.log, lambda: httpx.get(f"{self.url}/readyz", timeout=2), 180)
+        if error:
+            self.stop()
+            raise SystemExit(f"server {error}")
 
     def rss_mib(self) -> float:
         """Resident memory of the server and its workers."""
@@ -233,6 +256,184 @@ def row(name: str, endpoint: str, c: int, result: tuple[float, np.ndarray, dict]
     )
 
 
+# ---------------------------------------------------------------------------- issue #11's table: peers and wrk
+
+WRK_SCRIPT = ROOT / "benchmarks" / "multipart.lua"
+PEERS = ROOT / "benchmarks" / "peers"
+
+
+class PeerServer:
+    """A benchmark peer (FastAPI or LitServe) in its own process, ready once it answers ``/classify`` with 200."""
+
+    def __init__(self, name: str, command: list[str], tmp: Path, png: Path, env: dict[str, str] | None = None):
+        self.name, self.port = name, int(command[-1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"peer-{self.port}.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        files = {"image": ("image.png", png.read_bytes(), "image/png")}
+        error = wait_ready(self.proc, self.log, lambda: httpx.post(f"{self.url}/classify", files=files, timeout=5))
+        if error:
+            self.stop()
+            raise RuntimeError(f"{name} {error}")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # LitServe runs its inference workers as child processes
+            self.proc.wait(20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a server and its child processes so far."""
+    total = 0.0
+    for p in process_tree(pid):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def pause(pid: int, paused: bool) -> None:
+    """SIGSTOP (or SIGCONT) a server's process tree: one server at a time gets the CPU."""
+    for p in process_tree(pid):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.suspend() if paused else p.resume()
+
+
+def run_wrk(url: str, png: Path, concurrency: int, seconds: int) -> dict[str, float]:
+    """One ``wrk`` run (one thread, ``concurrency`` connections) POSTing ``png`` as multipart: its summary."""
+    env = {**os.environ, "WRK_FILE": str(png), "WRK_FIELD": "image", "WRK_TYPE": "image/png"}
+    out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--timeout", "60s", "-s",
+                          str(WRK_SCRIPT), url], capture_output=True, text=True, env=env, check=True)  # fmt: skip
+    line = next(line for line in out.stdout.splitlines() if line.startswith("WRK_JSON "))
+    return json.loads(line.removeprefix("WRK_JSON "))
+
+
+class RawMeter:
+    """Raw ONNX Runtime throughput at batch 32, in-process, in a worker thread (as the server runs inference):
+    measured right before each server's turn, so that each ratio compares figures taken under the same background
+    load."""
+
+    def __init__(self, models: dict[str, Path]):
+        self.pool = ThreadPoolExecutor(1)
+        self.runtimes = {key: open_runtime(path, "onnxruntime:fp32") for key, path in models.items()}
+        self.inputs = {}
+        for key, runtime in self.runtimes.items():
+            pixels = np.random.default_rng(0).integers(0, 256, (32, *runtime.metadata.input_shape), np.uint8)
+            self.inputs[key] = images.normalize_images(pixels, runtime.metadata)  # (32, C, H, W)
+            runtime.predict(self.inputs[key])  # warm-up
+
+    def __call__(self, key: str, seconds: float) -> float:
+        """Images per second: the median batch of those run in ``seconds`` (at least 3)."""
+        return self.pool.submit(self._measure, key, seconds).result()
+
+    def _measure(self, key: str, seconds: float) -> float:
+        runtime, x = self.runtimes[key], self.inputs[key]
+        times: list[float] = []
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline or len(times) < 3:
+            t = time.perf_counter()
+            runtime.predict(x)
+            times.append(time.perf_counter() - t)
+        return len(x) / float(np.median(times))
+
+
+def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, seconds: int) -> None:
+    """Issue #11's table: raw batch-32 throughput, then each server's req/s at concurrency 32 (÷ the raw figure
+    measured just before), p50 at concurrency 1, errors and server CPU ms per request (medians over interleaved
+    rounds)."""
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk not found: `apt-get install -y wrk` (see this script's docstring), or --no-table")
+    meta = load_runtime(model / "model.onnx").metadata
+    png = tmp / "image.png"
+    png.write_bytes(pngs(1, meta.image_size)[0])
+    ml_png = tmp / "multilabel.png"
+    if multilabel:
+        ml_png.write_bytes(pngs(1, load_runtime(multilabel / "model.onnx").metadata.image_size)[0])
+    raw = RawMeter({"single": model, **({"multi": multilabel} if multilabel else {})})
+
+    onnx = str(model / "model.onnx")
+    python, uvicorn = sys.executable, str(Path(sys.executable).with_name("uvicorn"))
+    servers: dict[str, tuple[Any, str, Path, str]] = {}  # row → (server, url path, upload, raw model key)
+    started: list[Any] = []
+    figures: dict[str, dict[str, list[float]]] = {}
+    try:
+        for name, module, command, env in [
+            ("FastAPI + ONNX Runtime, one image per run", "fastapi",
+             [uvicorn, "benchmarks.peers.fastapi_server:app", "--log-level", "warning", "--port"],
+             {"PEER_MODEL": onnx}),
+            ("LitServe, batching max 32 / 5 ms", "litserve", [python, str(PEERS / "litserve_server.py"), onnx], {}),
+        ]:  # fmt: skip
+            try:
+                __import__(module)
+                peer = PeerServer(name, [*command, str(free_port())], tmp, png, env)
+            except (ImportError, RuntimeError) as e:
+                print(f"{name}: skipped ({type(e).__name__}: {str(e)[-300:]}); `pip install fastapi uvicorn "
+                      "litserve` into this venv", flush=True)  # fmt: skip
+                continue
+            started.append(peer)
+            servers[name] = (peer, "/classify", png, "single")
+        capserve = Server(model, multilabel, tmp, CAPSERVE_MAX_BATCH_SIZE="32")
+        started.append(capserve)
+        servers["capserve /classify (BentoML)"] = (capserve, "/classify", png, "single")
+        if multilabel:
+            servers["capserve /multilabel (BentoML)"] = (capserve, "/multilabel", ml_png, "multi")
+        for server in started:
+            pause(server.proc.pid, True)
+
+        figures = {name: {"raw": [], "rps": [], "p50": [], "cpu": [], "errors": []} for name in servers}
+        for _ in range(rounds):
+            for name, (server, path, upload, key) in servers.items():
+                f = figures[name]
+                f["raw"].append(raw(key, 2.0))
+                pause(server.proc.pid, False)
+                try:
+                    run_wrk(server.url + path, upload, 8, 1)  # warm-up
+                    cpu = cpu_seconds(server.proc.pid)
+                    busy = run_wrk(server.url + path, upload, 32, seconds)
+                    cpu = cpu_seconds(server.proc.pid) - cpu
+                    single = run_wrk(server.url + path, upload, 1, seconds)
+                finally:
+                    pause(server.proc.pid, True)
+                f["rps"].append(busy["requests"] / busy["seconds"])
+                f["p50"].append(single["p50_ms"])
+                f["cpu"].append(1000 * cpu / max(busy["requests"], 1))
+                f["errors"].append(sum(busy[k] + single[k] for k in ("connect", "read", "write", "status", "timeout")))
+    finally:
+        for server in started:
+            pause(server.proc.pid, False)
+            server.stop()
+
+    print(
+        f"\nissue #11 table: wrk, one 32×32 PNG as multipart, one server at a time, medians of {rounds} interleaved "
+        f"rounds of {seconds:g} s ({os.cpu_count()} CPUs); ÷ raw: each turn against raw batch 32 measured just "
+        "before it; CPU: the server's CPU ms per request at concurrency 32"
+    )
+    print(f"  {'server':44s} {'c=32 req/s':>10s} {'÷ raw':>6s} {'c=1 p50 ms':>10s} {'errors':>6s} {'CPU ms/req':>10s}")
+    for key, label in (("single", "raw ONNX Runtime, batch 32, in-process"),
+                       ("multi", "raw ONNX Runtime, multi-label model, batch 32")):  # fmt: skip
+        measured = [r for name, f in figures.items() if servers[name][3] == key for r in f["raw"]]
+        if measured:
+            print(f"  {label:44s} {np.median(measured):10.1f} {1:6.2f} {'—':>10s}  (img/s)")
+    for name, f in figures.items():
+        ratios = np.array(f["rps"]) / np.array(f["raw"])
+        print(f"  {name:44s} {np.median(f['rps']):10.1f} {np.median(ratios):6.2f} {np.median(f['p50']):10.1f} "
+              f"{int(sum(f['errors'])):6d} {np.median(f['cpu']):10.2f}  (rounds: "
+              f"{', '.join(f'{r:.0f}/{w:.0f}' for r, w in zip(f['rps'], f['raw'], strict=True))} req/s / raw)",
+              flush=True)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=ROOT / "models" / "cifar10", help="model directory with model.onnx")
@@ -247,6 +448,11 @@ def main() -> None:
     p.add_argument("--batch-images", type=int, default=32, help="images per /classify_batch request (0: skip)")
     p.add_argument("--rss-requests", type=int, default=3000, help="requests of the memory run (concurrency 32)")
     p.add_argument("--max-latency-ms", type=int, default=10_000, help="adaptive batching latency budget (503 above)")
+    table = p.add_mutually_exclusive_group()
+    table.add_argument("--table-only", action="store_true", help="only issue #11's table (peers, wrk)")
+    table.add_argument("--no-table", action="store_true", help="skip issue #11's table (no wrk needed)")
+    p.add_argument("--table-rounds", type=int, default=3, help="interleaved rounds of the table (medians)")
+    p.add_argument("--table-seconds", type=int, default=5, help="seconds of each wrk run in the table")
     args = p.parse_args()
     for config in args.configs:
         backend, _, precision = config.partition(":")
@@ -261,6 +467,10 @@ def main() -> None:
             print(f"{model}/model.onnx not found: benchmarking a random-weight cifar10-resnet", flush=True)
             model = random_model(tmp / "cifar10")
         multilabel = args.multilabel_model if (args.multilabel_model / "model.onnx").is_file() else None
+        if not args.no_table:
+            peer_table(model, multilabel, tmp, args.table_rounds, args.table_seconds)
+            if args.table_only:
+                return
         meta = load_runtime(model / "model.onnx").metadata
         bodies = pngs(64, meta.image_size)
         ml_bodies = pngs(64, load_runtime(multilabel).metadata.image_size) if multilabel else []

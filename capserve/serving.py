@@ -76,6 +76,7 @@ class Settings:
     max_bytes: int = 8 * 2**20  # request body limit (413 above it)
     max_pixels: int = images.DEFAULT_MAX_PIXELS  # decoded image limit (413 above it: decompression bombs)
     max_images: int = 64  # images in one /classify_batch request
+    access_log: bool = False  # BentoML's access log line per request (~0.6 ms of the event loop each: off)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -97,6 +98,7 @@ class Settings:
             max_images=_int(env, "CAPSERVE_MAX_IMAGES", d.max_images, 1),
             precision=env.get("CAPSERVE_PRECISION", "").strip().lower() or d.precision,
             bf16_min_agreement=_fraction(env, "CAPSERVE_BF16_MIN_AGREEMENT", d.bf16_min_agreement),
+            access_log=_flag(env, "CAPSERVE_ACCESS_LOG", d.access_log),
         )
         if settings.precision not in PRECISIONS:
             raise ConfigurationError(f"CAPSERVE_PRECISION={settings.precision!r}; choose one of: "
@@ -110,6 +112,15 @@ class Settings:
                                      "fix the routing iterations at export; re-export with `capserve export onnx DIR "
                                      "-o DIR/model.onnx -T N` or unset CAPSERVE_ITERATIONS")  # fmt: skip
         return settings
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    text = env.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text not in ("0", "1", "true", "false"):
+        raise ConfigurationError(f"{name}={text!r}: use 1 or 0")
+    return text in ("1", "true")
 
 
 def _fraction(env: Mapping[str, str], name: str, default: float) -> float:
@@ -651,6 +662,7 @@ class Capsules:
                                              "one or 'none'")  # fmt: skip
             self.batching = settings.max_batch_size > 1
             self._batchers: dict[bool, Any] = {}  # multilabel → batched predict
+            self._pending = {False: 0, True: 0}  # multilabel → single-image requests decoding, queued or running
             self._warm_up()
         except Exception as e:  # any failed start stops the server (exit 3); unexpected ones with their traceback
             log.critical("capserve cannot start: %s", e, exc_info=not isinstance(e, ConfigurationError))
@@ -710,14 +722,29 @@ class Capsules:
         runtime = self.multilabel_model() if multilabel else self.runtime
         return await self.run(self.predict, runtime, pixels)
 
-    async def batched_logits(self, pixels: np.ndarray, multilabel: bool = False) -> np.ndarray:
-        """Logits (1, classes) for one image (1, C, H, W): through adaptive batching when it is on."""
+    async def upload_logits(self, image: Path, multilabel: bool = False) -> np.ndarray:
+        """Logits (1, classes) of one uploaded image, the server picking by load: when no other single-image
+        request is in progress, decoding and inference run in one worker-thread hop (batching would only wait);
+        otherwise the decoded image joins adaptive batching (when it is on). Answers are the same either way."""
         runtime = self.multilabel_model() if multilabel else self.runtime
+        max_pixels = self.settings.max_pixels
+
+        def decode_and_predict() -> np.ndarray:
+            return self.predict(runtime, decode(image, runtime, max_pixels)[None])  # (1, classes)
+
         if not self.batching:
-            return await self.run(self.predict, runtime, pixels)
-        if multilabel not in self._batchers:  # created on first use: the engine binds to the running event loop
-            self._batchers[multilabel] = self._batcher(runtime, multilabel)
-        return await self._batchers[multilabel](pixels)
+            return await self.run(decode_and_predict)
+        self._pending[multilabel] += 1
+        try:
+            if self._pending[multilabel] == 1:
+                batch_size_histogram().labels(endpoint=ENDPOINTS[multilabel]).observe(1)
+                return await self.run(decode_and_predict)
+            pixels = await self.run(decode, image, runtime, max_pixels)
+            if multilabel not in self._batchers:  # created on first use: the engine binds to the running event loop
+                self._batchers[multilabel] = self._batcher(runtime, multilabel)
+            return await self._batchers[multilabel](pixels[None])
+        finally:
+            self._pending[multilabel] -= 1
 
     def _batcher(self, runtime: Runtime, multilabel: bool) -> Any:
         """BentoML's adaptive batching engine (the CorkDispatcher behind batchable APIs) around ``runtime``.
@@ -735,7 +762,7 @@ class Capsules:
 
         dispatcher = CorkDispatcher(max_latency_in_ms=settings.max_latency_ms, max_batch_size=settings.max_batch_size,
                                     fallback=overloaded, get_batch_size=len, batch_dim=(0, 0))  # fmt: skip
-        endpoint = "multilabel" if multilabel else "classify"
+        endpoint = ENDPOINTS[multilabel]
 
         async def infer(batches: list[np.ndarray]) -> list[np.ndarray]:
             batch_size_histogram().labels(endpoint=endpoint).observe(len(batches))
@@ -752,8 +779,7 @@ class Capsules:
     async def classify(self, image: Path, top_k: int) -> Classification:
         meta = self.runtime.metadata
         self.check_top_k(top_k)
-        pixels = await self.run(decode, image, self.runtime, self.settings.max_pixels)
-        probabilities = softmax(await self.batched_logits(pixels[None]))[0]  # (C,)
+        probabilities = softmax(await self.upload_logits(image))[0]  # (C,)
         return Classification(model=meta.name, iterations=meta.iterations,
                               predictions=top_labels(probabilities, meta.labels, top_k))  # fmt: skip
 
@@ -779,8 +805,7 @@ class Capsules:
     async def multilabel(self, image: Path, threshold: float | None) -> MultiLabel:
         runtime = self.multilabel_model()
         meta = runtime.metadata
-        pixels = await self.run(decode, image, runtime, self.settings.max_pixels)
-        probabilities = sigmoid(await self.batched_logits(pixels[None], multilabel=True))[0]  # (C,)
+        probabilities = sigmoid(await self.upload_logits(image, multilabel=True))[0]  # (C,)
         if threshold is not None:
             thresholds = np.full(len(meta.labels), threshold)
         else:
@@ -852,6 +877,7 @@ class Capsules:
         }
 
 
+ENDPOINTS = {False: "classify", True: "multilabel"}  # multilabel → the endpoint label of the batch-size metric
 _BATCH_SIZE: list[Any] = []
 
 

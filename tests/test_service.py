@@ -482,7 +482,8 @@ def requests_total(client: httpx.Client, endpoint: str) -> float:
 
 def test_a_second_server_keeps_the_first_ones_metrics_and_answers_501_and_503(server, models):
     """Started beside the first with the same BENTOML_HOME (the shared Prometheus folder used to be wiped), with
-    no multi-label model, no explanation graph (501s) and a 1 ms batching budget (503s)."""
+    no multi-label model, no explanation graph (501s), a 1 ms batching budget (503s under a burst, never for a
+    lone request, which runs without queueing) and BentoML's access log on (off on the first server)."""
     for _ in range(3):
         server.post("/classify", **upload(GOOD))
     before = requests_total(server, "/classify")
@@ -491,7 +492,8 @@ def test_a_second_server_keeps_the_first_ones_metrics_and_answers_501_and_503(se
     for name in ("config.json", "model.safetensors", "model.onnx"):
         (bare / name).write_bytes((models["cifar10"] / name).read_bytes())
     proc, url, log = start_server(server.tmp, CAPSERVE_MODEL=str(bare), CAPSERVE_MULTILABEL_MODEL="none",
-                                  CAPSERVE_MAX_LATENCY_MS="1", CAPSERVE_MAX_BATCH_SIZE="4")  # fmt: skip
+                                  CAPSERVE_MAX_LATENCY_MS="1", CAPSERVE_MAX_BATCH_SIZE="4",
+                                  CAPSERVE_ACCESS_LOG="1")  # fmt: skip
     try:
         wait_ready(proc, url, log)
         assert requests_total(server, "/classify") >= before >= 3
@@ -500,6 +502,8 @@ def test_a_second_server_keeps_the_first_ones_metrics_and_answers_501_and_503(se
                 r = second.post(path, **upload(GOOD))
                 assert r.status_code == readme_row(SERVER_ROWS[0])[1] == 501, r.text
                 assert "CAPSERVE_MULTILABEL_MODEL" in error_of(r) or "--explain" in error_of(r)
+            lone = [second.post("/classify", **upload(GOOD)).status_code for _ in range(10)]
+            assert lone == [200] * 10, "a request with nothing else in progress must not wait for (or in) a batch"
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
@@ -512,6 +516,8 @@ def test_a_second_server_keeps_the_first_ones_metrics_and_answers_501_and_503(se
         assert all(error_of(r) for r in overloaded)
     finally:
         stop(proc)
+    assert "path=/classify" in log.read_text(), "CAPSERVE_ACCESS_LOG=1: BentoML's access log line per request"
+    assert "path=/classify" not in server.log_path.read_text(), "the access log is off by default"
 
 
 def test_metrics_readyz_livez(server):
@@ -580,11 +586,13 @@ def test_torch_backend_on_cuda_without_cuda_fails_startup_clearly(models, tmp_pa
 def test_settings_from_env():
     s = Settings.from_env({"CAPSERVE_MAX_BATCH_SIZE": "4", "CAPSERVE_BACKEND": "torch", "CAPSERVE_ITERATIONS": "3"})
     assert (s.max_batch_size, s.backend, s.iterations, s.model) == (4, "torch", 3, "models/cifar10")
+    assert not s.access_log and Settings.from_env({"CAPSERVE_ACCESS_LOG": " TRUE "}).access_log
     for env, message in [
         ({"CAPSERVE_BACKEND": "tf"}, "choose one of"),
         ({"CAPSERVE_MAX_BYTES": "lots"}, "not an integer"),
         ({"CAPSERVE_MAX_BATCH_SIZE": "0"}, ">= 1"),
         ({"CAPSERVE_ITERATIONS": "3"}, "torch backend only"),
+        ({"CAPSERVE_ACCESS_LOG": "yes"}, "use 1 or 0"),
     ]:
         with pytest.raises(ConfigurationError, match=message):
             Settings.from_env(env)
