@@ -32,6 +32,8 @@ from capserve import data, userdata
 from capserve.configs import CIFAR10_LABELS
 from capserve.train import TrainConfig, train
 
+VAL_SIZE = 500  # validation images carved from the training images in both runs
+
 
 def write_pngs(split: data.Split, root: Path, n: int) -> float:
     """The first ``n`` images as PNGs in label folders; returns seconds."""
@@ -59,6 +61,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workdir", help="keep the PNGs and runs here (default: a temporary folder, removed)")
     args = p.parse_args()
+    if args.images <= VAL_SIZE:
+        p.error(f"--images must be more than {VAL_SIZE} (the training runs hold {VAL_SIZE} out for validation)")
     logging.basicConfig(level=logging.WARNING)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-data-"))
     try:
@@ -89,9 +93,9 @@ def main() -> None:
             if r:  # the first run decodes (with its validation carve) into its cache; the others reuse it
                 own_out.mkdir(parents=True)
                 shutil.copy(work / "own-0" / userdata.CACHE_FILE, own_out / userdata.CACHE_FILE)
-            train(TrainConfig(data=str(folder), out=str(own_out), val_size=500, **common))
+            train(TrainConfig(data=str(folder), out=str(own_out), val_size=VAL_SIZE, **common))
             own_runs.append(images_per_s(own_out))
-            train(TrainConfig(data=str(args.cifar), out=str(builtin_out), val_size=500, **common))
+            train(TrainConfig(data=str(args.cifar), out=str(builtin_out), val_size=VAL_SIZE, **common))
             builtin_runs.append(images_per_s(builtin_out))
         own, builtin = statistics.median(own_runs), statistics.median(builtin_runs)
         print(f"training {args.model}, batch {args.batch_size}, {args.steps} steps, median of {args.repeats}:")

@@ -353,3 +353,19 @@ def test_served_model_answers_with_the_users_labels(run, folder, tmp_path):
             assert p["probability"] == pytest.approx(float(probs[LABELS.index(p["label"])]), abs=1e-4)
     finally:
         stop(proc)
+
+
+def test_bench_data_refuses_fewer_images_than_its_validation_carve(tmp_path: Path) -> None:
+    """benchmarks/bench_data.py holds 500 images out for validation: asking for fewer stops at once with a usage
+    line (exit 2), not a ValueError traceback after writing the PNGs and building the cache."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_data.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--cifar", str(tmp_path), "--images", "200"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--images must be more than 500" in done.stderr
+    assert "Traceback" not in done.stderr
