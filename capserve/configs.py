@@ -32,6 +32,11 @@ MNIST_MEAN = (0.1307, 0.1307, 0.1307)
 MNIST_STD = (0.3081, 0.3081, 0.3081)
 
 Task = Literal["single_label", "multi_label"]
+# how parents are computed from children: "attention" is this package's inverted dot-product attention (Tsai et
+# al. 2020); the others are the paper's comparison systems, "dynamic" (Sabour et al. 2017) and "em" (Hinton et al.
+# 2018). Each brings its own layers, read-out and loss (capserve.model, capserve.losses).
+RoutingAlgorithm = Literal["attention", "dynamic", "em"]
+ROUTING_ALGORITHMS: tuple[str, ...] = ("attention", "dynamic", "em")
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class ModelConfig:
     # routing
     iterations: int = 2
     routing: Literal["concurrent", "sequential"] = "concurrent"
+    routing_algorithm: RoutingAlgorithm = "attention"
     layer_norm: bool = True  # ablation: False replaces LayerNorm by identity
     activations: bool = False  # ablation: children scaled by a learned sigmoid activation before voting
     # multi-label decision thresholds per class, calibrated on a validation split (None: 0.5 each)
@@ -102,6 +108,13 @@ class ModelConfig:
             raise ValueError(f"pose must be 'matrix' or 'vector', got {self.pose!r}")
         if self.routing not in ("concurrent", "sequential"):
             raise ValueError(f"routing must be 'concurrent' or 'sequential', got {self.routing!r}")
+        if self.routing_algorithm not in ROUTING_ALGORITHMS:
+            raise ValueError(f"routing_algorithm must be one of {ROUTING_ALGORITHMS}, got {self.routing_algorithm!r}")
+        if self.routing_algorithm != "attention" and self.routing != "sequential":
+            raise ValueError(
+                f"{self.routing_algorithm} routing runs all iterations of a layer before the next, as its paper "
+                "does: set routing='sequential'"
+            )
         if self.pose == "matrix" and math.isqrt(self.pose_dim) ** 2 != self.pose_dim:
             raise ValueError(f"matrix poses need a square pose_dim (16 = 4×4), got {self.pose_dim}")
         if len(self.labels) < 2:

@@ -134,6 +134,13 @@ class CapsuleLayer(nn.Module):
         side = (u.shape[1] - self.kernel_size) // self.stride + 1
         return parents.view(B, side, P // side, J, D)  # (B, h, w, J, D)
 
+    def route(self, u: Tensor, iterations: int, keep_coefficients: bool = False) -> tuple[Tensor, Tensor | None]:
+        """All ``iterations`` of this layer with its children fixed (the sequential schedule)."""
+        parents, coefficients = self(u)
+        for _ in range(iterations - 1):
+            parents, coefficients = self(u, parents, keep_coefficients)
+        return parents, coefficients
+
     def forward(self, u: Tensor, parents: Tensor | None = None, keep_coefficients: bool = False
                 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
         """One routing iteration: uniform when ``parents`` is None, else attention to the given parents.

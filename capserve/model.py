@@ -12,6 +12,12 @@ from capserve.configs import CapsuleLayerConfig, ModelConfig
 from capserve.layers import CapsuleLayer, PrimaryCapsules, resnet_backbone, simple_backbone
 
 BACKBONES = {"resnet": resnet_backbone, "simple": simple_backbone}
+# per routing algorithm: the primary capsule layer and the routed capsule layer class. A routed layer is built as
+# ``Layer(spec, in_types, in_size, pose, pose_dim, layer_norm, activations)`` and runs all iterations of itself with
+# ``layer.route(children, iterations, keep_coefficients) -> (parents, coefficients (B, P, N, J) or None)``; only
+# attention layers also take one step at a time (``layer(children, parents)``), which the concurrent schedule needs.
+PRIMARY_CAPSULES: dict[str, type[nn.Module]] = {"attention": PrimaryCapsules}
+CAPSULE_LAYERS: dict[str, type[nn.Module]] = {"attention": CapsuleLayer}
 
 
 @dataclass(frozen=True)
@@ -68,29 +74,37 @@ class CapsNet(nn.Module):
         self.config = config
         c = config
         self.backbone = BACKBONES[c.backbone](c.in_channels, c.backbone_channels, c.backbone_stride)
-        self.primary = PrimaryCapsules(c.backbone_channels, c.primary_types, c.pose_dim, c.primary_kernel,
-                                       c.primary_stride, c.primary_padding, c.layer_norm)  # fmt: skip
+        primary, layer = PRIMARY_CAPSULES[c.routing_algorithm], CAPSULE_LAYERS[c.routing_algorithm]
+        self.primary = primary(c.backbone_channels, c.primary_types, c.pose_dim, c.primary_kernel, c.primary_stride,
+                               c.primary_padding, c.layer_norm)  # fmt: skip
         specs = (*c.capsules, CapsuleLayerConfig("fc", c.num_classes))
         sizes = (*c.spatial_sizes, *[0] * len(specs))  # grid side of each layer's children (0: no grid)
         in_types = (c.primary_types, *(s.types for s in specs[:-1]))
         self.capsules = nn.ModuleList(
-            CapsuleLayer(spec, in_types[i], sizes[i], c.pose, c.pose_dim, c.layer_norm, c.activations)
+            layer(spec, in_types[i], sizes[i], c.pose, c.pose_dim, c.layer_norm, c.activations)
             for i, spec in enumerate(specs)
         )
-        self.classifier = nn.Linear(c.pose_dim, 1)  # one logit head shared by all class capsules
+        # attention: one logit head shared by all class capsules; other routings read their class capsules out
+        # themselves (length, activation), as ``class_logits`` of their last layer
+        self.classifier = nn.Linear(c.pose_dim, 1) if c.routing_algorithm == "attention" else None
 
     def forward(self, x: Tensor, iterations: int | None = None) -> Tensor:
         """Logits (B, C) for images (B, C_in, H, W) after ``iterations`` routing iterations (default: config's)."""
         poses, _ = self._route(x, self._iterations(iterations), keep_coefficients=False)
-        return self.classifier(poses[-1]).squeeze(-1)  # (B, C)
+        return self._logits(poses[-1])  # (B, C)
 
     @torch.no_grad()
     def trace(self, x: Tensor, iterations: int | None = None) -> RoutingTrace:
         """Logits together with every layer's poses and routing coefficients (see ``RoutingTrace``)."""
         T = self._iterations(iterations)
         poses, coefficients = self._route(x, T, keep_coefficients=True)
-        logits = self.classifier(poses[-1]).squeeze(-1)
-        return RoutingTrace(logits, tuple(poses), tuple(coefficients), T)
+        return RoutingTrace(self._logits(poses[-1]), tuple(poses), tuple(coefficients), T)
+
+    def _logits(self, classes: Tensor) -> Tensor:
+        """(B, C, D) class capsules → (B, C) logits."""
+        if self.classifier is None:
+            return self.capsules[-1].class_logits(classes)
+        return self.classifier(classes).squeeze(-1)
 
     def _iterations(self, iterations: int | None) -> int:
         T = self.config.iterations if iterations is None else iterations
@@ -107,9 +121,7 @@ class CapsNet(nn.Module):
         if self.config.routing == "sequential":
             # all T iterations of layer ℓ, with its children fixed, before layer ℓ+1 starts
             for layer in self.capsules:
-                parents, c = layer(poses[-1])
-                for _ in range(T - 1):
-                    parents, c = layer(poses[-1], parents, keep_coefficients)
+                parents, c = layer.route(poses[-1], T, keep_coefficients)
                 poses.append(parents)
                 coefficients.append(c)
         else:

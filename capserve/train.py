@@ -42,14 +42,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from capserve.checkpoint import load as load_model
 from capserve.checkpoint import read_config, save_model
-from capserve.configs import get_config, list_models
+from capserve.configs import ModelConfig, get_config, list_models
 from capserve.data import Data, Split, dataset_for, load_test, load_training, parse_val_size, random_crop_flip
+from capserve.losses import training_loss
 from capserve.model import CapsNet
 from capserve.preprocess import normalize
 from capserve.userdata import (
@@ -240,14 +240,15 @@ def _provenance(cfg: TrainConfig, state: dict) -> dict:
 # ------------------------------------------------------------------------------------------------- metrics
 
 
-def loss_and_hits(logits: Tensor, targets: Tensor, multi_label: bool) -> tuple[Tensor, Tensor]:
-    """Mean loss and the number of correct images (top-1, or exact match of logits > 0 for multi-label)."""
+def loss_and_hits(logits: Tensor, targets: Tensor, config: ModelConfig, progress: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Mean loss (``config``'s routing's own, see ``capserve.losses``) and the number of correct images (top-1, or
+    exact match of logits > 0 for multi-label); ``progress`` is the fraction of training done (for schedules)."""
     logits = logits.float()
+    multi_label = config.task == "multi_label"
+    loss = training_loss(config)(logits, targets, multi_label, progress)
     if multi_label:
-        loss = F.binary_cross_entropy_with_logits(logits, targets)
         hits = ((logits > 0) == (targets > 0.5)).all(dim=1).sum()
     else:
-        loss = F.cross_entropy(logits, targets)
         hits = (logits.argmax(dim=1) == targets).sum()
     return loss, hits
 
@@ -266,7 +267,7 @@ def validate(model: CapsNet, split: Split, cfg: TrainConfig, device: torch.devic
             x = x.contiguous(memory_format=torch.channels_last)
         with _autocast(device, cfg.amp):
             logits = model(x)
-        loss, hits = loss_and_hits(logits, y, c.task == "multi_label")
+        loss, hits = loss_and_hits(logits, y, c)
         sums += torch.stack([loss.double() * len(y), hits.double(), torch.tensor(len(y), device=device).double()])
     if d.enabled:
         dist.all_reduce(sums)
@@ -496,7 +497,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
                 group["lr"] = lr
             with _autocast(device, cfg.amp):
                 logits = net(x)
-            loss, hits = loss_and_hits(logits, y, multi)
+            loss, hits = loss_and_hits(logits, y, c, p)
             opt.zero_grad(set_to_none=True)
             if scaler is not None:
                 scaler.scale(loss).backward()
