@@ -5,26 +5,30 @@ from __future__ import annotations
 from typing import Any
 
 from capserve.checkpoint import CheckpointError, load, read_config
+from capserve.cnn import CNN
 from capserve.configs import MODELS, CapsuleLayerConfig, ModelConfig, get_config, list_models
-from capserve.model import CapsNet, RoutingTrace
+from capserve.model import CapsNet, Model, RoutingTrace, build_model
 
 __version__ = "0.1.0"
 
 
-def create_model(name: str, **overrides: Any) -> CapsNet:
-    """A freshly initialised model from a named configuration, with optional config field overrides.
+def create_model(name: str, **overrides: Any) -> Model:
+    """A freshly initialised model from a named configuration, with optional config field overrides: a ``CapsNet``,
+    or a baseline ``CNN`` for configs with ``head="avgpool"`` or ``"fc"``.
 
     Example:
         >>> model = create_model("cifar10-resnet", iterations=3)
     """
-    return CapsNet(get_config(name, **overrides))
+    return build_model(get_config(name, **overrides))
 
 
 __all__ = [
+    "CNN",
     "MODELS",
     "CapsNet",
     "CapsuleLayerConfig",
     "CheckpointError",
+    "Model",
     "ModelConfig",
     "RoutingTrace",
     "__version__",

@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from capserve.configs import ModelConfig
-from capserve.model import CapsNet
+from capserve.model import Model, build_model
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def save_model(model: CapsNet, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
+def save_model(model: Model, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
     """Save weights and config to ``directory`` (created if needed) and return it."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -64,8 +64,8 @@ def read_config(directory: str | Path) -> ModelConfig:
         raise CheckpointError(f"{path} is not a valid capserve config: {e}") from e
 
 
-def load(directory: str | Path, device: str | torch.device = "cpu") -> CapsNet:
-    """Load a model saved by ``CapsNet.save``, in eval mode, on ``device``."""
+def load(directory: str | Path, device: str | torch.device = "cpu") -> Model:
+    """Load a model saved by ``model.save`` (a ``CapsNet`` or a baseline ``CNN``), in eval mode, on ``device``."""
     directory = Path(directory)
     config = read_config(directory)
     weights = directory / WEIGHTS
@@ -75,7 +75,7 @@ def load(directory: str | Path, device: str | torch.device = "cpu") -> CapsNet:
         state = load_file(str(weights))
     except (SafetensorError, OSError, RuntimeError) as e:
         raise CheckpointError(f"{weights} is not a readable safetensors file ({e}); is it truncated?") from e
-    model = CapsNet(config)
+    model = build_model(config)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:

@@ -37,6 +37,12 @@ Task = Literal["single_label", "multi_label"]
 # 2018). Each brings its own layers, read-out and loss (capserve.model, capserve.losses).
 RoutingAlgorithm = Literal["attention", "dynamic", "em"]
 ROUTING_ALGORITHMS: tuple[str, ...] = ("attention", "dynamic", "em")
+# what follows the backbone: "capsules" (a CapsNet), or a baseline CNN (capserve.cnn.CNN) whose conv layers have as
+# many neurons as the capsule layers they replace, read out by global average pooling ("avgpool") or by a learned
+# fully connected layer over the flattened map in place of pooling ("fc"). CNNs have no routing.
+Head = Literal["capsules", "avgpool", "fc"]
+HEADS: tuple[str, ...] = ("capsules", "avgpool", "fc")
+BACKBONES: tuple[str, ...] = ("resnet", "simple", "resnet18")
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class CapsuleLayerConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Everything needed to build a capsule network and to preprocess its input."""
+    """Everything needed to build a model (a capsule network, or a baseline CNN) and to preprocess its input."""
 
     name: str
     labels: tuple[str, ...]
@@ -69,10 +75,14 @@ class ModelConfig:
     image_size: int = 32
     mean: tuple[float, ...] = CIFAR_MEAN
     std: tuple[float, ...] = CIFAR_STD
-    # backbone: "resnet" = conv3×3-64 + 3 BasicBlocks@64 + 4@channels (first strided); "simple" = one conv3×3
-    backbone: Literal["resnet", "simple"] = "resnet"
+    # backbone: "resnet" = conv3×3-64 + 3 BasicBlocks@64 + 4@channels (first strided); "simple" = one conv3×3;
+    # "resnet18" = the standard CIFAR ResNet-18 body (conv3×3-c + [2, 2, 2, 2] BasicBlocks at c, 2c, 4c, 8c, strides
+    # 1, 2, 2, 2, with c = backbone_channels, 64 in ResNet-18; backbone_stride unused), CNN heads only: the head
+    # follows it directly (no primary or capsule layers to replace)
+    backbone: Literal["resnet", "simple", "resnet18"] = "resnet"
     backbone_channels: int = 128
     backbone_stride: int = 2
+    head: Head = "capsules"  # CNN heads ignore the routing fields (iterations, routing, routing_algorithm, pose)
     # primary capsules: a conv to primary_types × pose_dim channels, LayerNorm over each pose
     primary_types: int = 32
     primary_kernel: int = 1
@@ -102,8 +112,13 @@ class ModelConfig:
 
         if self.task not in ("single_label", "multi_label"):
             raise ValueError(f"task must be 'single_label' or 'multi_label', got {self.task!r}")
-        if self.backbone not in ("resnet", "simple"):
-            raise ValueError(f"backbone must be 'resnet' or 'simple', got {self.backbone!r}")
+        if self.backbone not in BACKBONES:
+            raise ValueError(f"backbone must be one of {BACKBONES}, got {self.backbone!r}")
+        if self.head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
+        if self.backbone == "resnet18" and (self.head == "capsules" or self.capsules):
+            raise ValueError("the resnet18 backbone is a complete CNN: use it with head='avgpool' or 'fc' and no "
+                             "capsule layers (capsules=())")  # fmt: skip
         if self.pose not in ("matrix", "vector"):
             raise ValueError(f"pose must be 'matrix' or 'vector', got {self.pose!r}")
         if self.routing not in ("concurrent", "sequential"):
@@ -141,8 +156,15 @@ class ModelConfig:
         return len(self.labels)
 
     @property
+    def has_routing(self) -> bool:
+        """False for the CNN baselines: no routing iterations to choose, no routing coefficients to explain."""
+        return self.head == "capsules"
+
+    @property
     def feature_size(self) -> int:
         """Side of the backbone's output feature map (3×3 convs with padding 1)."""
+        if self.backbone == "resnet18":
+            return (self.image_size - 1) // 8 + 1  # three stride-2 stages
         return (self.image_size - 1) // self.backbone_stride + 1
 
     @property
@@ -184,6 +206,7 @@ _MULTIMNIST = dict(
     primary_types=16, primary_kernel=3, primary_stride=2, primary_padding=1, pose_dim=64,
     capsules=(CapsuleLayerConfig("conv", 16, kernel_size=3, stride=1), CapsuleLayerConfig("fc", 10)),
 )  # fmt: skip
+_MULTIMNIST_SMALL = {**_MULTIMNIST, "backbone_channels": 256, "pose_dim": 16}
 
 MODELS: dict[str, ModelConfig] = {
     c.name: c
@@ -196,9 +219,31 @@ MODELS: dict[str, ModelConfig] = {
         ModelConfig("multimnist-vector", pose="vector", **_MULTIMNIST),
         # CPU-trainable DiverseMultiMNIST variant: 256 backbone channels and 4×4 poses (0.6 M parameters
         # instead of 10 M), same layer structure as multimnist-matrix.
+        ModelConfig("multimnist-matrix-small", pose="matrix", **_MULTIMNIST_SMALL),
+        # Baseline CNNs (capserve.cnn.CNN). DiverseMultiMNIST: the paper's "baseline CNN" (same backbone, conv
+        # layers with the neurons of the capsule layers they replace, average pooling; 79.81 %) and its CNN with a
+        # learned fully connected layer in place of pooling (84.84 %, 42.49 M parameters in the paper); the layer
+        # sizes are multimnist-matrix's (16 types × 64 = 1024 channels). The paper does not give its CNN's
+        # normalisation: ours is BatchNorm + ReLU after each replacing conv.
+        ModelConfig("multimnist-cnn-avgpool", head="avgpool", **_MULTIMNIST),
+        ModelConfig("multimnist-cnn-fc", head="fc", **_MULTIMNIST),
+        # CPU-trainable variants with multimnist-matrix-small's sizes (256 backbone channels, 16 types × 16)
+        ModelConfig("multimnist-cnn-avgpool-small", head="avgpool", **_MULTIMNIST_SMALL),
+        ModelConfig("multimnist-cnn-fc-small", head="fc", **_MULTIMNIST_SMALL),
+        # the paper's CIFAR-100 "baseline CNN" (62.30 %) on the simple backbone: cifar100-simple's layer sizes
+        # (32 types × 36 = 1152 channels), average pooling (the paper names no other read-out for CIFAR)
         ModelConfig(
-            "multimnist-matrix-small", pose="matrix", **{**_MULTIMNIST, "backbone_channels": 256, "pose_dim": 16}
+            "cifar100-simple-cnn",
+            CIFAR100_LABELS,
+            backbone="simple",
+            pose_dim=36,
+            capsules=_cifar_layers((20,)),
+            head="avgpool",
         ),
+        # ResNet-18 (He et al. 2016), the paper's strong CNN (CIFAR-10 95.11 %), in its common CIFAR form: a 3×3
+        # stride-1 stem and no max-pool, for 32×32 inputs
+        ModelConfig("cifar10-resnet18", CIFAR10_LABELS, backbone="resnet18", backbone_channels=64, head="avgpool"),
+        ModelConfig("cifar100-resnet18", CIFAR100_LABELS, backbone="resnet18", backbone_channels=64, head="avgpool"),
     )
 }
 

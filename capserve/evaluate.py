@@ -31,8 +31,9 @@ import torch
 from torch import Tensor
 
 from capserve.checkpoint import CONFIG, load, save_model
+from capserve.configs import ModelConfig
 from capserve.data import Split, dataset_for, load_test, load_validation
-from capserve.model import CapsNet
+from capserve.model import Model
 from capserve.preprocess import normalize
 from capserve.userdata import (
     DataError,
@@ -59,7 +60,7 @@ def _progress(total: int, desc: str):  # type: ignore[no-untyped-def]
 
 
 @torch.no_grad()
-def predict_batches(model: CapsNet, batches: Iterable[Tensor], iterations: Sequence[int | None],
+def predict_batches(model: Model, batches: Iterable[Tensor], iterations: Sequence[int | None],
                     device: str | torch.device = "cpu") -> dict[int | None, Tensor]:  # fmt: skip
     """Logits (N, C) float32 on the CPU per routing iteration count, from uint8 image batches (b, C, H, W).
 
@@ -87,7 +88,7 @@ def _slices(split: Split, batch_size: int, desc: str | None = None) -> Iterator[
         bar.close()
 
 
-def predict_logits(model: CapsNet, split: Split, iterations: int | None = None, batch_size: int = 250,
+def predict_logits(model: Model, split: Split, iterations: int | None = None, batch_size: int = 250,
                    device: str | torch.device = "cpu") -> Tensor:  # fmt: skip
     """Logits (N, C) float32 on the CPU for every image of ``split`` after ``iterations`` routing iterations."""
     return predict_batches(model, _slices(split, batch_size), [iterations], device)[iterations]
@@ -147,7 +148,7 @@ def metrics(config: Any, logits: Tensor, targets: Tensor) -> dict[str, Any]:
     return single_label_metrics(logits, targets)
 
 
-def evaluate(model: CapsNet, split: Split, iterations: list[int], batch_size: int = 250,
+def evaluate(model: Model, split: Split, iterations: list[int], batch_size: int = 250,
              device: str | torch.device = "cpu") -> dict[int, dict[str, Any]]:  # fmt: skip
     """Metrics of ``model`` on ``split`` for each routing iteration count in ``iterations``."""
     logits = predict_batches(model, _slices(split, batch_size, "evaluating"), iterations, device)
@@ -171,7 +172,7 @@ def own_samples(manifest: Manifest, split: str, val_size: int | float | None) ->
     return val
 
 
-def evaluate_own(model: CapsNet, samples: Sequence[Sample], source: Path, iterations: Sequence[int | None],
+def evaluate_own(model: Model, samples: Sequence[Sample], source: Path, iterations: Sequence[int | None],
                  batch_size: int = 250, device: str | torch.device = "cpu",
                  ) -> tuple[dict[int | None, Tensor], Tensor, int]:  # fmt: skip
     """Logits per T, targets and the number of skipped files for a user's images, decoded one batch at a time."""
@@ -191,7 +192,7 @@ def evaluate_own(model: CapsNet, samples: Sequence[Sample], source: Path, iterat
     return logits, targets_for([samples[i] for i in kept], c.labels, c.task == "multi_label"), len(failures.failures)
 
 
-def store_thresholds(checkpoint: Path, model: CapsNet, thresholds: Sequence[float]) -> None:
+def store_thresholds(checkpoint: Path, model: Model, thresholds: Sequence[float]) -> None:
     """Write per-class thresholds into the checkpoint's config.json, keeping its other entries."""
     model.config = dataclasses.replace(model.config, thresholds=tuple(thresholds))
     payload = json.loads((checkpoint / CONFIG).read_text())
@@ -281,11 +282,15 @@ def plot_confusion(confusion: list[list[int]], labels: Sequence[str], png: Path,
     return png
 
 
+DEFAULT_ITERATIONS = (1, 2, 3, 4, 5)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="model folder (config.json + model.safetensors), e.g. RUN/best")
     p.add_argument("--data", required=True, help="your images (a label-folder tree or a CSV: its test split, or "
                    "everything when it names no splits), or the folder with the CIFAR/MNIST files")  # fmt: skip
-    p.add_argument("--iterations", default="1,2,3,4,5", help="routing iteration counts, comma-separated")
+    p.add_argument("--iterations", help="routing iteration counts, comma-separated (default 1,2,3,4,5; CNN "
+                   "baselines have no routing and take none)")  # fmt: skip
     p.add_argument("--split", choices=("test", "val"), default="test")
     p.add_argument("--limit", type=int, help="evaluate only the first N images")
     p.add_argument("--batch-size", type=int, default=250)
@@ -295,13 +300,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="folder for evaluation.json and the plots")
 
 
-def run(args: argparse.Namespace) -> int:
+def parse_iterations(text: str | None) -> list[int] | None:
+    """``--iterations`` → sorted T values (None when not given)."""
+    if text is None:
+        return None
     try:
-        iterations = sorted({int(t) for t in args.iterations.split(",") if t.strip()})
+        iterations = sorted({int(t) for t in text.split(",") if t.strip()})
     except ValueError:
-        raise ValueError(f"--iterations takes integers like 1,2,3, got {args.iterations!r}") from None
+        raise ValueError(f"--iterations takes integers like 1,2,3, got {text!r}") from None
     if not iterations or iterations[0] < 1:
-        raise ValueError(f"--iterations must be integers >= 1, got {args.iterations!r}")
+        raise ValueError(f"--iterations must be integers >= 1, got {text!r}")
+    return iterations
+
+
+def iterations_for(config: ModelConfig, given: list[int] | None) -> list[int | None]:
+    """The T to evaluate: ``given`` or 1..5; [None] for a CNN, which has no routing (and refuses a given list)."""
+    if config.has_routing:
+        return list(given or DEFAULT_ITERATIONS)
+    if given is not None:
+        raise ValueError(f"{config.name} is a CNN (head {config.head!r}) without routing: --iterations does not "
+                         "apply; drop it")  # fmt: skip
+    return [None]
+
+
+def run(args: argparse.Namespace) -> int:
+    given = parse_iterations(args.iterations)  # a malformed list fails before any work
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     checkpoint = Path(args.checkpoint)
@@ -313,6 +336,8 @@ def run(args: argparse.Namespace) -> int:
                  ", ".join(f"{t:.2f}" for t in thresholds))  # fmt: skip
     model = load(checkpoint, args.device)
     c = model.config
+    iterations = iterations_for(c, given)
+    trained_T = c.iterations if c.has_routing else None
     info = c.extra.get("data", {})
     skipped = 0
     if is_own_data(args.data):
@@ -341,27 +366,30 @@ def run(args: argparse.Namespace) -> int:
     key = "exact_match" if c.task == "multi_label" else "top1"
     report = {"model": c.name, "checkpoint": str(checkpoint), "data": str(args.data), "dataset": dataset,
               "split": args.split, "images": images, "skipped_images": skipped, "task": c.task,
-              "labels": list(c.labels), "trained_iterations": c.iterations, "thresholds": c.thresholds,
-              "results": results}  # fmt: skip
-    main = results.get(c.iterations, results[iterations[-1]])
+              "labels": list(c.labels), "trained_iterations": trained_T, "thresholds": c.thresholds,
+              "results": {"none" if T is None else T: r for T, r in results.items()}}  # fmt: skip
+    main = results.get(trained_T, results[iterations[-1]])
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
-        plot_iterations(results, key, out / "iterations.png", f"{c.name}: {args.split} {key} vs T")
+        if c.has_routing:
+            plot_iterations(results, key, out / "iterations.png", f"{c.name}: {args.split} {key} vs T")
         if c.task == "single_label":
-            T = c.iterations if c.iterations in results else iterations[-1]
-            plot_confusion(main["confusion"], c.labels, out / "confusion.png", f"{c.name}: {args.split}, T = {T}")
+            T = trained_T if trained_T in results else iterations[-1]
+            at = "" if T is None else f", T = {T}"
+            plot_confusion(main["confusion"], c.labels, out / "confusion.png", f"{c.name}: {args.split}{at}")
     if args.json:
         print(json.dumps(report))
         return 0
     tops = [k for k in results[iterations[0]] if k.startswith("top") and k != "top1"]
     second = "macro_f1" if c.task == "multi_label" else tops[0]
     skipped_note = f", {skipped} unreadable skipped" if skipped else ""
-    print(f"{c.name} on {dataset} {args.split} ({images} images{skipped_note}; trained with T = {c.iterations})")
+    trained = f"trained with T = {trained_T}" if c.has_routing else f"a CNN ({c.head} head): no routing iterations"
+    print(f"{c.name} on {dataset} {args.split} ({images} images{skipped_note}; {trained})")
     print(f"{'T':>3} {key:>12} {second:>10}")
     for T in iterations:
-        print(f"{T:>3} {100 * results[T][key]:11.2f}% {100 * results[T][second]:9.2f}%")
+        print(f"{'-' if T is None else T:>3} {100 * results[T][key]:11.2f}% {100 * results[T][second]:9.2f}%")
     width = max(10, *(len(lab) for lab in c.labels))
     if c.task == "multi_label":
         print("per-class F1: " + ", ".join(f"{lab} {f:.3f}" for lab, f in zip(c.labels, main["f1"], strict=True)))

@@ -51,6 +51,24 @@ def simple_backbone(in_channels: int, channels: int, stride: int) -> nn.Sequenti
     return nn.Sequential(nn.Conv2d(in_channels, channels, 3, stride=stride, padding=1), nn.ReLU(inplace=True))
 
 
+def resnet18_backbone(in_channels: int, channels: int = 64) -> nn.Sequential:
+    """The CIFAR ResNet-18 body: conv3×3-c + BN + ReLU, then [2, 2, 2, 2] BasicBlocks at c, 2c, 4c, 8c channels with
+    strides 1, 2, 2, 2 (c = 64 in ResNet-18). (B, C_in, H, W) → (B, 8c, ⌈H/8⌉, ⌈W/8⌉)."""
+    widths = [channels, 2 * channels, 4 * channels, 8 * channels]
+    blocks: list[nn.Module] = []
+    for i, width in enumerate(widths):
+        previous = widths[max(i - 1, 0)]
+        blocks += [BasicBlock(previous, width, stride=1 if i == 0 else 2), BasicBlock(width, width)]
+    return nn.Sequential(
+        nn.Conv2d(in_channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True),
+        *blocks,
+    )  # fmt: skip
+
+
+# backbone name → builder(in_channels, channels, stride) of the capsule networks (resnet18 is the CNNs' own)
+BACKBONES = {"resnet": resnet_backbone, "simple": simple_backbone}
+
+
 def pose_norm(dim: int, enabled: bool) -> nn.Module:
     return nn.LayerNorm(dim) if enabled else nn.Identity()
 

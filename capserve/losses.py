@@ -32,5 +32,7 @@ LOSSES: dict[str, Loss] = {"attention": cross_entropy_loss}
 
 
 def training_loss(config: ModelConfig) -> Loss:
-    """The loss that ``config``'s routing algorithm is trained with."""
+    """The loss that ``config``'s routing algorithm is trained with (a baseline CNN: cross-entropy)."""
+    if not config.has_routing:
+        return cross_entropy_loss
     return LOSSES[config.routing_algorithm]

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from capserve.cnn import CNN
 from capserve.configs import CapsuleLayerConfig, ModelConfig
-from capserve.layers import CapsuleLayer, PrimaryCapsules, resnet_backbone, simple_backbone
+from capserve.layers import BACKBONES, CapsuleLayer, PrimaryCapsules
 
-BACKBONES = {"resnet": resnet_backbone, "simple": simple_backbone}
 # per routing algorithm: the primary capsule layer and the routed capsule layer class. A routed layer is built as
 # ``Layer(spec, in_types, in_size, pose, pose_dim, layer_norm, activations)`` and runs all iterations of itself with
 # ``layer.route(children, iterations, keep_coefficients) -> (parents, coefficients (B, P, N, J) or None)``; only
@@ -152,3 +152,11 @@ class CapsNet(nn.Module):
         from capserve.checkpoint import save_model
 
         return save_model(self, directory)
+
+
+Model = CapsNet | CNN  # what create_model and load return
+
+
+def build_model(config: ModelConfig) -> Model:
+    """The model ``config`` describes: a ``CapsNet``, or a baseline ``CNN`` for the heads "avgpool" and "fc"."""
+    return CapsNet(config) if config.has_routing else CNN(config)

@@ -24,7 +24,7 @@ from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import parse_qsl
 
 import anyio
@@ -184,7 +184,7 @@ def open_model(spec: str, settings: Settings) -> tuple[Runtime, Runtime | None, 
         if settings.backend == "torch":
             runtime, _ = open_torch(path, settings.device, settings.iterations, settings.precision,
                                     settings.bf16_min_agreement)  # fmt: skip
-            return runtime, runtime, source
+            return runtime, runtime if has_routing(runtime) else None, source
         artifact = path / ARTIFACTS[settings.backend]
         if not artifact.is_file():
             fix = (f"capserve export onnx {path} -o {artifact}" if settings.backend == "onnxruntime"
@@ -197,7 +197,7 @@ def open_model(spec: str, settings: Settings) -> tuple[Runtime, Runtime | None, 
         if (path / EXPLAIN_ARTIFACT).is_file():
             explainer = load_runtime(path / EXPLAIN_ARTIFACT, "onnxruntime", settings.device)
             explainer.precision_reason = runtime.precision_reason
-        else:
+        elif has_routing(runtime):
             log.warning("%s has no %s: /explain is off (run `capserve export onnx %s -o %s --explain`)", path,
                         EXPLAIN_ARTIFACT, path, path / EXPLAIN_ARTIFACT)  # fmt: skip
         return runtime, explainer, source
@@ -496,15 +496,18 @@ class Label(BaseModel):
     probability: float
 
 
+Iterations = Annotated[int | None, Field(description="routing iterations T; null: the model is a CNN without routing")]
+
+
 class Classification(BaseModel):
     model: str
-    iterations: int
+    iterations: Iterations
     predictions: list[Label] = Field(description="the top_k labels, most probable first")
 
 
 class MultiLabel(BaseModel):
     model: str
-    iterations: int
+    iterations: Iterations
     threshold: float | None = Field(description="the threshold the request set; None: the model's own thresholds")
     labels: list[Label] = Field(description="every label whose probability passed its threshold, most probable first")
     probabilities: dict[str, float]
@@ -529,6 +532,11 @@ class Explained(BaseModel):
     capsules: list[Capsule] = Field(description="the most strongly routed capsules, strongest first")
     heatmap_png: str = Field(description="base64 PNG: the grid vs uniform on a fixed log scale (1/4× blue, uniform "
                                          "pale, 4× red) over the input")  # fmt: skip
+
+
+def has_routing(runtime: Runtime) -> bool:
+    """False for a CNN baseline: its metadata has no routing iterations (``ModelMetadata.iterations`` is None)."""
+    return runtime.metadata.iterations is not None
 
 
 def top_labels(probabilities: np.ndarray, labels: tuple[str, ...], k: int) -> list[Label]:
@@ -820,6 +828,9 @@ class Capsules:
 
     async def explain(self, image: Path, capsules: int) -> Explained:
         explainer = self.explainer
+        if not has_routing(self.runtime):
+            raise self.fail(501, f"{self.runtime.metadata.name} is a CNN without routing: there is no part-whole "
+                                 "parse to explain; /explain needs a capsule network")  # fmt: skip
         if explainer is None:
             model = self.source.path
             raise self.fail(501, f"{self.settings.model} has no {EXPLAIN_ARTIFACT}: run `capserve export onnx "

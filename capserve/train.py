@@ -50,7 +50,8 @@ from capserve.checkpoint import read_config, save_model
 from capserve.configs import ModelConfig, get_config, list_models
 from capserve.data import Data, Split, dataset_for, load_test, load_training, parse_val_size, random_crop_flip
 from capserve.losses import training_loss
-from capserve.model import CapsNet
+from capserve.model import Model
+from capserve.model import build_model as model_from_config
 from capserve.preprocess import normalize
 from capserve.userdata import (
     CACHE_FILE,
@@ -170,7 +171,7 @@ def setup_distributed(device: str) -> tuple[Dist, torch.device]:
 # ------------------------------------------------------------------------------------------------- checkpoints
 
 
-def _save_state(directory: Path, model: CapsNet, opt: torch.optim.Optimizer, scaler: Any, state: dict,
+def _save_state(directory: Path, model: Model, opt: torch.optim.Optimizer, scaler: Any, state: dict,
                 cfg: TrainConfig) -> None:  # fmt: skip
     """``last/``: model dir + optimizer tensors (safetensors) + everything else as JSON. No pickle."""
     tmp = directory.with_name(directory.name + ".tmp")
@@ -199,7 +200,7 @@ def _save_state(directory: Path, model: CapsNet, opt: torch.optim.Optimizer, sca
     tmp.rename(directory)
 
 
-def _load_state(directory: Path, model: CapsNet, opt: torch.optim.Optimizer, scaler: Any, device: torch.device) -> dict:
+def _load_state(directory: Path, model: Model, opt: torch.optim.Optimizer, scaler: Any, device: torch.device) -> dict:
     trainer = json.loads((directory / "trainer.json").read_text())
     weights = load_model(directory, device)
     model.load_state_dict(weights.state_dict())
@@ -254,7 +255,7 @@ def loss_and_hits(logits: Tensor, targets: Tensor, config: ModelConfig, progress
 
 
 @torch.no_grad()
-def validate(model: CapsNet, split: Split, cfg: TrainConfig, device: torch.device, d: Dist) -> dict[str, float]:
+def validate(model: Model, split: Split, cfg: TrainConfig, device: torch.device, d: Dist) -> dict[str, float]:
     """Loss and accuracy over ``split``, sharded over the processes of a DDP run."""
     model.eval()
     c = model.config
@@ -338,7 +339,7 @@ def val_size_of(cfg: TrainConfig, own: bool) -> int | float:
     return cfg.val_size if cfg.val_size is not None else DEFAULT_VAL_SIZE["own" if own else "builtin"]
 
 
-def build_model(cfg: TrainConfig, manifest: Manifest | None = None) -> CapsNet:
+def build_model(cfg: TrainConfig, manifest: Manifest | None = None) -> Model:
     """The model to train: the named config, with the labels, task and input size of a user's data if given."""
     config = get_config(cfg.model, **cfg.overrides)
     val_size = val_size_of(cfg, manifest is not None)
@@ -352,19 +353,21 @@ def build_model(cfg: TrainConfig, manifest: Manifest | None = None) -> CapsNet:
                                      image_size=cfg.image_size or config.image_size)  # fmt: skip
         data = {"dataset": manifest.kind, "source": str(manifest.source), "val_size": val_size}
     torch.manual_seed(cfg.seed)
-    return CapsNet(dataclasses.replace(config, extra={**config.extra, "data": data}))
+    return model_from_config(dataclasses.replace(config, extra={**config.extra, "data": data}))
 
 
-def init_from(model: CapsNet, directory: str | Path) -> dict[str, Any]:
+def init_from(model: Model, directory: str | Path) -> dict[str, Any]:
     """Load every tensor of the model folder ``directory`` whose name and shape match ``model``'s (fine-tuning).
 
-    The class capsule layer starts afresh when the labels differ, even where its shapes happen to match.
+    The class layer (class capsules, or a CNN's classifier) starts afresh when the labels differ, even where its
+    shapes happen to match.
     Returns ``{"from", "loaded", "new"}`` with the tensor names.
     """
     directory = Path(directory)
     source_model = load_model(directory)  # a clear CheckpointError for a folder that is not a model
     source, weights = source_model.config, source_model.state_dict()
-    class_layer = f"capsules.{len(model.capsules) - 1}."
+    # the layer whose outputs are the classes: the class capsules, or a CNN's linear classifier
+    class_layer = f"capsules.{len(model.capsules) - 1}." if model.config.has_routing else "classifier."
     relabelled = tuple(source.labels) != tuple(model.config.labels)
     loaded, new = {}, []
     for name, tensor in model.state_dict().items():
@@ -378,7 +381,7 @@ def init_from(model: CapsNet, directory: str | Path) -> dict[str, Any]:
     log.info("--init %s (%s): loaded %d tensors (%s values), new %d%s", directory, source.name, len(loaded),
              f"{values:,}", len(new), f": {', '.join(new)}" if new else "")  # fmt: skip
     if relabelled:
-        log.info("labels differ from %s's: the class capsule layer (%s*) starts afresh", directory, class_layer)
+        log.info("labels differ from %s's: the class layer (%s*) starts afresh", directory, class_layer)
     return {"from": str(directory), "loaded": sorted(loaded), "new": new}
 
 
@@ -392,7 +395,7 @@ def init_architecture(directory: str | Path) -> tuple[str, dict[str, Any]]:
     return source.name, {k: v for k, v in source.to_dict().items() if k not in skip and v != named[k]}
 
 
-def load_own_training(manifest: Manifest, model: CapsNet, out: Path, d: Dist,
+def load_own_training(manifest: Manifest, model: Model, out: Path, d: Dist,
                       device: torch.device) -> tuple[Data, Split | None, int]:  # fmt: skip
     """A user's data decoded at the model's input (through the run folder's cache): training data, test, skipped."""
     c = model.config

@@ -44,7 +44,8 @@ def store_labels_and_metadata(directory: Path) -> tuple[dict[str, str], dict[str
     import capserve
 
     metadata: dict[str, Any] = {
-        "iterations": config.iterations,
+        "head": config.head,  # "capsules", or a baseline CNN's read-out (which has no routing iterations)
+        **({"iterations": config.iterations} if config.has_routing else {}),
         "weights_sha256": file_sha256(directory / WEIGHTS),
         "classes": len(config.labels),
         "capserve_version": capserve.__version__,
@@ -70,6 +71,7 @@ def save_to_store(directory: str | Path, name: str) -> str:
     if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
         raise ExportError(f"{directory} is not a model directory (it needs {CONFIG} and {WEIGHTS})")
     labels, metadata = store_labels_and_metadata(directory)
+    config = read_config(directory)
     digests = {metadata["weights_sha256"]}  # what `capserve export onnx DIR` records
     for graph in (ONNX, EXPLAIN_ONNX):
         if (directory / graph).is_file() and len(digests) == 1:
@@ -89,7 +91,7 @@ def save_to_store(directory: str | Path, name: str) -> str:
                 if (directory / file).is_file():
                     shutil.copy2(directory / file, target / file)
             for graph, explain in ((ONNX, False), (EXPLAIN_ONNX, True)):
-                if not (target / graph).is_file():
+                if not (target / graph).is_file() and (config.has_routing or not explain):  # CNNs: nothing to explain
                     log.info("%s has no %s: exporting it into the stored model", directory, graph)
                     export_checkpoint(directory, target / graph, explain=explain)
     except BentoMLException as e:

@@ -103,7 +103,7 @@ def metadata_props(metadata: ModelMetadata, precision: str, outputs: Sequence[st
         "input_shape": "x".join(map(str, metadata.input_shape)),
         "mean": json.dumps(list(metadata.mean)),
         "std": json.dumps(list(metadata.std)),
-        "iterations": str(metadata.iterations),
+        "iterations": "none" if metadata.iterations is None else str(metadata.iterations),
         "capserve_version": metadata.capserve_version,
         "weights_sha256": metadata.weights_sha256,
     }
@@ -146,6 +146,8 @@ def to_onnx_proto(model: CapsNet, iterations: int, opset: int = DEFAULT_OPSET, e
         raise ExportError(f"opset {opset} is not supported: the exporter writes opset >= {MIN_OPSET}; use --opset 18+")
     T = model._iterations(iterations)
     c = model.config
+    if explain and not c.has_routing:
+        raise ExportError(f"{c.name} is a CNN without routing: there is no part-whole parse to export; drop --explain")
     wrapper = (UnrolledExplain if explain else Unrolled)(model.eval(), T).eval()
     example = torch.zeros(2, c.in_channels, c.image_size, c.image_size)  # batch 2: 1 would be specialised
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
@@ -167,7 +169,7 @@ def export_onnx(model: CapsNet, path: str | Path, iterations: int | None = None,
     Args:
         model: a CapsNet (moved to CPU for tracing; put back afterwards).
         path: the .onnx file to write (its folder is created).
-        iterations: T, default the config's.
+        iterations: T, default the config's (None for a CNN, which has no routing).
         opset: ONNX opset, >= 18.
         explain: add the ``part_whole`` output.
         fp16: FP16 weights and compute, LayerNormalization and Softmax kept in FP32, FP32 inputs/outputs
@@ -197,12 +199,13 @@ def export_onnx(model: CapsNet, path: str | Path, iterations: int | None = None,
     set_metadata(proto, metadata_props(metadata, precision, outputs))
     proto.producer_name = "capserve"
     proto.producer_version = capserve.__version__
-    proto.doc_string = f"{metadata.name}: capsule network, {T} routing iteration(s) unrolled"
+    proto.doc_string = (f"{metadata.name}: capsule network, {T} routing iteration(s) unrolled" if T is not None
+                        else f"{metadata.name}: CNN ({model.config.head} head), no routing")  # fmt: skip
     onnx.checker.check_model(proto, full_check=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(proto, str(path), save_as_external_data=False)
-    log.info("wrote %s (%s, T=%d, opset %d%s)", path, precision, T, opset, ", explain" if explain else "")
+    log.info("wrote %s (%s, T=%s, opset %d%s)", path, precision, T, opset, ", explain" if explain else "")
     return path
 
 
@@ -220,7 +223,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, iterations: Se
                       **options: Any) -> list[Path]:  # fmt: skip
     """Export a model directory once per T in ``iterations`` (default: the config's); returns the files written."""
     model, digest = load_checkpoint(checkpoint)
-    Ts = list(iterations) if iterations else [model.config.iterations]
+    Ts = list(iterations) if iterations else [model._iterations(None)]  # the config's T (None: a CNN)
     for T in Ts:
         model._iterations(T)  # validate all before the (slow) exports start
     return [

@@ -163,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         images, source = load_images(args.images, meta, count), f"images from {args.images}"
     else:
         images, source = random_images(meta, count, args.seed), f"random images (seed {args.seed})"
-    print(f"{args.artifact}: {meta.name}, T={meta.iterations}, {precision}, {artifact.backend} on "
+    routing = "no routing (CNN)" if meta.iterations is None else f"T={meta.iterations}"
+    print(f"{args.artifact}: {meta.name}, {routing}, {precision}, {artifact.backend} on "
           f"{', '.join(artifact.providers)}; eager fp32 reference {against}; {source}{weights_note}")  # fmt: skip
     agree = "labels agree" if meta.task == "multi_label" else "top-1 agree"  # per image, all decisions equal
     print(f"tolerance: max |Δlogit| <= {atol:g} + {rtol:g}·max|logit|, {agree} >= {min_agreement:g}")

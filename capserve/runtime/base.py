@@ -32,7 +32,7 @@ class ModelMetadata:
     image_size: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    iterations: int
+    iterations: int | None  # routing iterations T; None: the model has no routing (a baseline CNN)
     thresholds: tuple[float, ...] | None = None
     capserve_version: str = ""
     weights_sha256: str = ""
@@ -47,7 +47,7 @@ class ModelMetadata:
             image_size=config.image_size,
             mean=tuple(config.mean),
             std=tuple(config.std),
-            iterations=config.iterations if iterations is None else iterations,
+            iterations=None if not config.has_routing else config.iterations if iterations is None else iterations,
             thresholds=config.thresholds,
             **extra,
         )

@@ -23,7 +23,7 @@ class TorchRuntime(Runtime):
     Args:
         path: model directory (``model.safetensors`` + ``config.json``).
         device: "cpu", "cuda" or "cuda:N".
-        iterations: routing iterations T (default: the config's).
+        iterations: routing iterations T (default: the config's; a CNN without routing takes none).
         precision: "fp32", or "bf16"/"fp16" autocast (bf16 on a CPU with AVX-512 BF16: 2-3× the batch-64
             throughput of fp32 for cifar10-resnet, same test accuracy; see README "Export and runtimes").
     """
@@ -79,7 +79,9 @@ class TorchRuntime(Runtime):
             return self.model(x, iterations=self.iterations).float().cpu().numpy()
 
     def trace(self, batch: np.ndarray) -> RoutingTrace:
-        """Logits, poses and routing coefficients of every layer (eager only)."""
+        """Logits, poses and routing coefficients of every layer (eager only; capsule networks only)."""
+        if not self.model.config.has_routing:
+            raise NotImplementedError(f"{self.metadata.name} is a CNN without routing: there is no routing to trace")
         x = torch.from_numpy(self.check_batch(batch)).to(self.device)
         with self._autocast():
             return self.model.trace(x, iterations=self.iterations)
