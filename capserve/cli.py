@@ -6,6 +6,10 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from capserve.configs import ModelConfig
 
 # subcommand → (module, help); modules are imported only when their command runs
 COMMANDS = {
@@ -13,7 +17,7 @@ COMMANDS = {
     "evaluate": ("capserve.evaluate", "accuracy of a checkpoint on a test set, per routing iteration count"),
     "export": ("capserve.export.cli", "export a checkpoint to ONNX, or an ONNX file to a TensorRT engine"),
     "verify": ("capserve.export.verify", "compare an exported artifact with eager PyTorch"),
-    "models": ("capserve.cli", "list the named model configurations"),
+    "models": ("capserve.cli", "list the named model configurations with their parameter counts"),
 }
 
 
@@ -21,12 +25,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # the `models` comm
     pass
 
 
+def parameter_count(config: ModelConfig) -> int:
+    """Trainable parameters of the model ``config`` describes, counted on a model built on the meta device (shapes
+    only: no memory, no initialisation)."""
+    import torch
+
+    from capserve.model import build_model
+
+    with torch.device("meta"):
+        model = build_model(config)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def kind(config: ModelConfig) -> str:
+    """What follows the backbone: the routing algorithm and poses, or the CNN's read-out."""
+    if config.has_routing:
+        return f"{config.routing_algorithm} routing, {config.pose} poses"
+    return f"CNN, {config.head} head"
+
+
 def run(args: argparse.Namespace) -> int:
     from capserve.configs import MODELS
 
+    print(f"{'name':<30}{'task':<14}{'classes':>7}  {'model':<34}{'backbone':<10}{'parameters':>12}")
     for name, config in sorted(MODELS.items()):
-        print(f"{name:28s} {config.task:13s} {config.num_classes:4d} classes  {config.pose} poses  "
-              f"{config.backbone} backbone")  # fmt: skip
+        print(f"{name:<30}{config.task:<14}{config.num_classes:>7}  {kind(config):<34}{config.backbone:<10}"
+              f"{parameter_count(config):>12,}")  # fmt: skip
     return 0
 
 

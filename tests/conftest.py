@@ -29,20 +29,25 @@ def tiny_overrides(name: str) -> dict:
     )
 
 
-def tiny_model(name: str, **overrides) -> capserve.CapsNet:
+def tiny_model(name: str, **overrides) -> capserve.Model:
     torch.manual_seed(0)
     return capserve.create_model(name, **{**tiny_overrides(name), **overrides}).to(DEVICE).eval()
 
 
-def tiny_input(model: capserve.CapsNet, batch: int, seed: int = 0) -> torch.Tensor:
+def tiny_input(model: capserve.Model, batch: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     c = model.config
     return torch.randn(batch, c.in_channels, c.image_size, c.image_size, generator=g).to(DEVICE)
 
 
-@pytest.fixture(params=capserve.list_models())
+# the capsule networks (routing, traces); the baseline CNNs have tests of their own (test_baselines.py)
+CAPSULE_MODELS = [name for name in capserve.list_models() if capserve.get_config(name).has_routing]
+CNN_MODELS = [name for name in capserve.list_models() if not capserve.get_config(name).has_routing]
+
+
+@pytest.fixture(params=CAPSULE_MODELS)
 def model_name(request) -> str:
     return request.param
 
 
-__all__ = ["DEVICE", "CapsuleLayerConfig", "tiny_input", "tiny_model", "tiny_overrides"]
+__all__ = ["CAPSULE_MODELS", "CNN_MODELS", "DEVICE", "CapsuleLayerConfig", "tiny_input", "tiny_model", "tiny_overrides"]

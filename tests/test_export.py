@@ -30,7 +30,7 @@ from capserve.export.onnx import (
     to_onnx_proto,
     weights_sha256,
 )
-from conftest import tiny_input, tiny_model
+from conftest import CAPSULE_MODELS, tiny_input, tiny_model
 
 import capserve
 from capserve.checkpoint import file_sha256
@@ -43,7 +43,7 @@ pytest.importorskip("onnxruntime")
 
 ALL_T = ("cifar100-simple", "multimnist-vector")
 PAIRS = [(name, T) for name in ALL_T for T in (1, 2, 3, 5)]
-PAIRS += [(name, 2) for name in capserve.list_models() if name not in ALL_T]
+PAIRS += [(name, 2) for name in CAPSULE_MODELS if name not in ALL_T]  # CNNs: tests/test_baselines.py
 BATCHES = (1, 3, 17)
 # The bound on max |ONNX Runtime − eager| logits. Deep unrolled routing of a random tiny model
 # (cifar100-simple at T = 5: 4 routed layers, LayerNorm of near-constant sums) amplifies float32 rounding so

@@ -158,6 +158,8 @@ class OnnxRuntime(Runtime):
 
     def explain(self, batch: np.ndarray) -> Explanation:
         if not self.explainable:
+            if self.metadata.iterations is None:
+                raise NotImplementedError(f"{self.path} is a CNN without routing: there is nothing to explain")
             raise NotImplementedError(f"{self.path} has no {PART_WHOLE!r} output: export it with "
                                       "`capserve export onnx --explain`")  # fmt: skip
         logits, parse = self.session.run([LOGITS, PART_WHOLE], {self.input_name: self.check_batch(batch)})
