@@ -117,8 +117,9 @@ def time_configurations(name: str, batch: int, iterations: list[int], repeats: i
     return {key: (statistics.median(t), min(t)) for key, t in times.items()}
 
 
-def peak_rss_mb(name: str, batch: int, iterations: int, threads: int) -> tuple[float, float]:
-    """(base, peak) RSS high-water marks in MB of a fresh process running one configuration."""
+def peak_rss_mb(name: str, batch: int, iterations: int | None, threads: int) -> tuple[float, float]:
+    """(base, peak) RSS high-water marks in MB of a fresh process running one configuration (iterations None: a
+    model without routing, a baseline CNN)."""
     command = [sys.executable, __file__, "--child", name, str(batch), str(iterations), str(threads)]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     data = json.loads(result.stdout.strip().splitlines()[-1])
@@ -138,7 +139,7 @@ def _high_water_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
-def _child(name: str, batch: int, iterations: int, threads: int) -> None:
+def _child(name: str, batch: int, iterations: int | None, threads: int) -> None:
     import capserve
 
     torch.set_num_threads(threads)
@@ -153,7 +154,7 @@ def _child(name: str, batch: int, iterations: int, threads: int) -> None:
     print(json.dumps({"base": base, "peak": peak}))
 
 
-def onnx_peak_rss_mb(name: str, batch: int, iterations: int, threads: int) -> tuple[float, float]:
+def onnx_peak_rss_mb(name: str, batch: int, iterations: int | None, threads: int) -> tuple[float, float]:
     """(base, peak) RSS high-water marks in MB of a fresh process running ONNX Runtime on an export at T."""
     import tempfile
 
@@ -226,7 +227,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         name, batch, iterations, threads = args.child
-        _child(name, int(batch), int(iterations), int(threads))
+        _child(name, int(batch), None if iterations == "None" else int(iterations), int(threads))
         return
     if args.onnx_child:
         path, batch, threads = args.onnx_child

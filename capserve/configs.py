@@ -230,6 +230,9 @@ MODELS: dict[str, ModelConfig] = {
         # CPU-trainable variants with multimnist-matrix-small's sizes (256 backbone channels, 16 types × 16)
         ModelConfig("multimnist-cnn-avgpool-small", head="avgpool", **_MULTIMNIST_SMALL),
         ModelConfig("multimnist-cnn-fc-small", head="fc", **_MULTIMNIST_SMALL),
+        # the same on CIFAR-10 (cifar10-simple's sizes, 32 types × 16 = 512 channels): not a row of the paper's, the
+        # CNN beside the routing algorithms on one backbone in benchmarks/bench_routing.py
+        ModelConfig("cifar10-simple-cnn", CIFAR10_LABELS, backbone="simple", capsules=_cifar_layers(), head="avgpool"),
         # the paper's CIFAR-100 "baseline CNN" (62.30 %) on the simple backbone: cifar100-simple's layer sizes
         # (32 types × 36 = 1152 channels), average pooling (the paper names no other read-out for CIFAR)
         ModelConfig(
