@@ -4,7 +4,8 @@ Single-label: top-1/top-5, per-class precision/recall/F1 and the confusion matri
 decision right) and per-class F1, with the checkpoint's thresholds (0.5 where none are stored). Every metric is
 computed for T = 1..5 routing iterations (``--iterations``), the paper's Figure 4 analysis, as a table and a plot;
 ``--json`` prints the report as one JSON object instead, ``--out DIR`` also writes ``evaluation.json``,
-``iterations.png`` and (single-label) ``confusion.png`` with the label names.
+``iterations.png`` and (single-label) ``confusion.png`` with the label names. A baseline CNN has no routing: it is
+evaluated once (its row's T is "-", ``--iterations`` is refused, no ``iterations.png``).
 
 ``--data`` is the built-in dataset's folder (its test split) or your own images: a folder (``test/`` when it has
 one, else every image) or a CSV (its ``test`` rows when it has a split column, else every row). Images are decoded

@@ -73,6 +73,12 @@ def cifar10_simple_capsules() -> int:
     return backbone + primary + 2 * conv_caps + class_caps + linear(16, 1)
 
 
+def cifar10_simple_cnn() -> int:
+    """cifar10-simple's sizes: 128 backbone channels, 32 types × 16 = 512 channels, average pooling."""
+    convs = conv(3, 128, 3, bias=True) + conv(128, 512, 1) + bn(512) + 2 * (conv(512, 512, 3) + bn(512))
+    return convs + linear(512, 10)
+
+
 EXPECTED_PARAMETERS = {
     "cifar10-resnet18": resnet18(10),  # 11,173,962: the usual CIFAR ResNet-18 figure
     "cifar100-resnet18": resnet18(100),
@@ -80,6 +86,7 @@ EXPECTED_PARAMETERS = {
     "multimnist-cnn-avgpool": multimnist_cnn(1024, 64, "avgpool"),
     "multimnist-cnn-fc-small": multimnist_cnn(256, 16, "fc"),
     "multimnist-cnn-avgpool-small": multimnist_cnn(256, 16, "avgpool"),
+    "cifar10-simple-cnn": cifar10_simple_cnn(),
     "cifar10-simple": cifar10_simple_capsules(),
 }
 
