@@ -241,6 +241,8 @@ def main() -> None:
     for name in models:
         if name not in capserve.list_models():
             parser.error(f"unknown model {name!r}; choose from {', '.join(capserve.list_models())}")
+        if not capserve.get_config(name).has_routing:
+            parser.error(f"{name} is a CNN without capsules to time apart: use benchmarks/bench_routing.py")
     gflops_machine = matmul_gflops()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, capserve from {capserve.__file__}")
     print(f"machine: 2048x2048 fp32 matmul {gflops_machine:.0f} GFLOP/s")

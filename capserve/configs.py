@@ -82,7 +82,9 @@ class ModelConfig:
     backbone: Literal["resnet", "simple", "resnet18"] = "resnet"
     backbone_channels: int = 128
     backbone_stride: int = 2
-    head: Head = "capsules"  # CNN heads ignore the routing fields (iterations, routing, routing_algorithm, pose)
+    # CNN heads use the backbone, primary and capsule layer sizes (types × pose_dim neurons) and ignore the rest:
+    # iterations, routing, routing_algorithm, pose, layer_norm, activations
+    head: Head = "capsules"
     # primary capsules: a conv to primary_types × pose_dim channels, LayerNorm over each pose
     primary_types: int = 32
     primary_kernel: int = 1
@@ -234,7 +236,7 @@ MODELS: dict[str, ModelConfig] = {
         # CNN beside the routing algorithms on one backbone in benchmarks/bench_routing.py
         ModelConfig("cifar10-simple-cnn", CIFAR10_LABELS, backbone="simple", capsules=_cifar_layers(), head="avgpool"),
         # the paper's CIFAR-100 "baseline CNN" (62.30 %) on the simple backbone: cifar100-simple's layer sizes
-        # (32 types × 36 = 1152 channels), average pooling (the paper names no other read-out for CIFAR)
+        # (32 types × 36 = 1152 channels), average pooling (ours: the paper's text does not name this CNN's read-out)
         ModelConfig(
             "cifar100-simple-cnn",
             CIFAR100_LABELS,
