@@ -243,6 +243,15 @@ def test_multilabel_cnn_trains_on_diverse_multimnist(tmp_path):
     assert isinstance(model, capserve.CNN) and model.config.name == name and 0 <= summary["best_val_acc"] <= 1
 
 
+def test_fine_tuning_a_cnn_restarts_its_classifier_when_the_labels_differ(tmp_path):
+    from capserve.train import init_from
+
+    tiny_model("cifar10-simple-cnn").save(tmp_path / "source")
+    target = tiny_model("cifar10-simple-cnn", labels=tuple("abcdefghij"))  # same shapes, other labels
+    info = init_from(target, tmp_path / "source")
+    assert sorted(info["new"]) == ["classifier.bias", "classifier.weight"] and "convs.0.0.weight" in info["loaded"]
+
+
 # ---------------------------------------------------------------------------------------- the service
 
 
