@@ -184,9 +184,10 @@ def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: N
 #
 # for T rounds, all of one layer's before the next layer starts (sequential). The votes do not change between
 # rounds, so ``dynamic_routing`` computes each block of (batch × position) rows' votes once and runs all T rounds
-# on the block while it is in cache, with the same buffer, block size and two-operand products as
-# ``routing_step``. Memory is one block of votes, plus, when training, every block's votes once (the attention
-# step keeps one copy per iteration) and the D-times-smaller couplings of each round.
+# on the block while it is in cache, with the same buffer, block size (``vote_blocks``, which ``routing_step`` can
+# share) and two-operand products as ``routing_step``. Memory is one block of votes, plus, when training, every
+# block's votes once (the attention step keeps one copy per iteration) and the D-times-smaller couplings of each
+# round.
 
 
 def squash(s: Tensor) -> Tensor:
@@ -198,6 +199,36 @@ def squash(s: Tensor) -> Tensor:
     """
     length = torch.linalg.vector_norm(s, dim=-1, keepdim=True)  # (…, 1)
     return s * (length / (1 + length * length))  # (…, D)
+
+
+def vote_blocks(children: Tensor, weight: Tensor, *inputs: Tensor
+                ) -> tuple[Tensor, Tensor, list[tuple[int, int]], Tensor | None]:  # fmt: skip
+    """How a routing step works through its (batch × position) rows: the same blocks as ``routing_step``.
+
+    Args:
+        children: (B, P, N, D) child poses; weight: (N, J, X, Y); inputs: any other tensors the step reads (a
+            block's votes are kept for backward when any of them, or children or weight, requires grad).
+    Returns:
+        the children as rows (BP, N, D); each child's map to all parents (N, D, J·D_out); the blocks of rows as
+        (start, stop); and one buffer for a block's votes, or None where it cannot be reused (recording autograd,
+        autocast, export).
+    """
+    B, P, N, D = children.shape
+    J, Y = weight.shape[1], weight.shape[3]
+    r = _rows(children, weight)
+    D_out, rows = r * Y, B * P
+    u = children.reshape(rows, N, D)  # (BP, N, D)
+    w = _block_weight(weight, r)  # (N, D, J·D_out)
+    if torch.compiler.is_exporting():
+        # an exported graph takes any batch: one block of all rows, no Python loop over a symbolic size
+        return u, w, [(0, rows)], None
+    block = block_rows(N * J * D_out * children.element_size())
+    blocks = [(start, min(start + block, rows)) for start in range(0, rows, block)]
+    # autograd keeps every block's votes for the backward pass, and autocast does not cast ``out=`` products, so only
+    # plain inference reuses one buffer
+    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (children, weight, *inputs))
+    reuse = not recording and not torch.is_autocast_enabled(children.device.type)
+    return u, w, blocks, children.new_empty(N * min(block, rows) * J * D_out) if reuse else None
 
 
 def dynamic_routing(children: Tensor, weight: Tensor, iterations: int,
@@ -220,22 +251,10 @@ def dynamic_routing(children: Tensor, weight: Tensor, iterations: int,
     """
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
-    B, P, N, D = children.shape
-    J, Y = weight.shape[1], weight.shape[3]
-    r = _rows(children, weight)
-    D_out, rows = r * Y, B * P
-    u = children.reshape(rows, N, D)  # (BP, N, D)
-    w = _block_weight(weight, r)  # (N, D, J·D_out)
-    if torch.compiler.is_exporting():
-        # an exported graph takes any batch: one block of all rows, no Python loop over a symbolic size
-        blocks, vote_buffer = [(0, rows)], None
-    else:
-        block = block_rows(N * J * D_out * children.element_size())
-        blocks = [(start, min(start + block, rows)) for start in range(0, rows, block)]
-        # as in ``routing_step``: only plain inference may overwrite one block's votes with the next block's
-        recording = torch.is_grad_enabled() and any(t.requires_grad for t in (children, weight))
-        reuse = not recording and not torch.is_autocast_enabled(children.device.type)
-        vote_buffer = children.new_empty(N * min(block, rows) * J * D_out) if reuse else None
+    B, P, N, _ = children.shape
+    J = weight.shape[1]
+    u, w, blocks, vote_buffer = vote_blocks(children, weight)  # (BP, N, D), (N, D, J·D_out)
+    D_out = w.shape[-1] // J
     parents, coefficients = [], []
     for start, stop in blocks:
         n = stop - start
