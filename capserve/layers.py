@@ -215,8 +215,8 @@ class DynamicCapsuleLayer(CapsuleLayer):
             )
         super().__init__(config, in_types, in_size, pose, pose_dim, layer_norm=False, activations=False)
         # W ~ N(0, 1/D_out): each vote is about as long as its child (E|û_j|i|² = |u_i|²), so that the agreements
-        # <û_j|i, v_j> start below 1 and the first rounds route softly, as with the original's small weights; the
-        # lengths then start short and grow under the margin loss (our choice: the paper gives no init. Measured on
+        # <û_j|i, v_j> start below 1 and the first rounds route softly; the lengths then start short and grow
+        # under the margin loss (our choice: the paper gives no init. Measured on
         # multimnist-capsnet-small: a scale that keeps |s_j| ≈ |u_i| at uniform coupling, ~J/√N times larger, made
         # routing near one-hot at the start and SGD oscillate, with the lengths saturating).
         nn.init.normal_(self.weight, std=pose_dim**-0.5)
