@@ -107,6 +107,15 @@ def test_blocks_of_rows_give_the_same_numbers(monkeypatch):
         blocked = routing.dynamic_routing(u, w, 3, keep_coefficients=True)
     for a, b in zip(whole, blocked, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+    grads = []  # training: every block keeps its own votes for backward
+    for block_bytes in (2**40, 1):
+        monkeypatch.setattr(routing, "VOTE_BLOCK_BYTES", block_bytes)
+        u_, w_ = u.clone().requires_grad_(), w.clone().requires_grad_()
+        parents, _ = routing.dynamic_routing(u_, w_, 3)
+        (parents * torch.linspace(-1, 1, parents.shape[-1], dtype=torch.float64)).sum().backward()
+        grads.append((u_.grad, w_.grad))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", DYNAMIC)
