@@ -177,3 +177,85 @@ class CapsuleLayer(nn.Module):
             children, self.weight, parents.reshape(B, -1, J, D), self.norm, keep_coefficients
         )
         return self._grid(new, u), coefficients
+
+
+# ------------------------------------------------------------------------------------- dynamic routing (Sabour 2017)
+
+
+class Squash(nn.Module):
+    """``routing.squash`` as a module: a vector's direction kept, its length mapped into [0, 1)."""
+
+    def forward(self, s: Tensor) -> Tensor:
+        return routing.squash(s)
+
+
+class SquashedPrimaryCapsules(PrimaryCapsules):
+    """Sabour et al.'s PrimaryCaps: a bias-free conv to types × D channels, each D-vector squashed (no LayerNorm).
+
+    Shapes: features (B, C, H, W) → poses (B, h, w, I, D) with lengths in [0, 1). ``layer_norm`` must be False:
+    the squash takes LayerNorm's place.
+    """
+
+    def __init__(self, in_channels: int, types: int, pose_dim: int, kernel: int, stride: int, padding: int,
+                 layer_norm: bool = False):  # fmt: skip
+        if layer_norm:
+            raise ValueError("dynamic routing squashes its capsules instead of LayerNorm: set layer_norm=False")
+        super().__init__(in_channels, types, pose_dim, kernel, stride, padding, layer_norm=False)
+        self.norm = Squash()
+
+
+class DynamicCapsuleLayer(CapsuleLayer):
+    """Parents routed from children by dynamic routing (Sabour et al., 2017); a conv layer or a fully connected one.
+
+    Children and windows as in ``CapsuleLayer`` (whose weights, window gathering and output layout it shares),
+    with vector poses only: û_{j|i} = W_ij u_i, coupling logits updated by agreement for all ``iterations`` rounds
+    at once (``routing.dynamic_routing``), parents squashed. A parent's length is the probability that its entity
+    is present; the class layer reads it out as a logit (``class_logits``).
+
+    Shapes:
+        children: (B, H, W, I, D) or (B, I, D); parents: (B, h, w, J, D) (conv) or (B, J, D) (fc).
+    Example:
+        >>> layer = DynamicCapsuleLayer(CapsuleLayerConfig("fc", 10), 8, 0, "vector", 16)
+        >>> parents, _ = layer(routing.squash(torch.randn(4, 8, 16)), iterations=3)
+        >>> layer.class_logits(parents).shape
+        torch.Size([4, 10])
+    """
+
+    # lengths are clamped to [1e-12, 1 − 1e-6] before the logit: finite logits in [-27.6, 13.8], and only lengths
+    # out of float32's reach of 1 (|s| > 1000) or exactly 0 lose their gradient
+    MIN_LENGTH, LENGTH_EPS = 1e-12, 1e-6
+
+    def __init__(self, config: CapsuleLayerConfig, in_types: int, in_size: int, pose: str, pose_dim: int,
+                 layer_norm: bool = False, activations: bool = False):  # fmt: skip
+        if pose != "vector" or layer_norm or activations:
+            raise ValueError(
+                "dynamic routing has vector poses, squashed: set pose='vector', layer_norm=False, activations=False"
+            )
+        super().__init__(config, in_types, in_size, pose, pose_dim, layer_norm=False, activations=False)
+        # W ~ N(0, 1/D_out): each vote is about as long as its child (E|û_j|i|² = |u_i|²), so that the agreements
+        # <û_j|i, v_j> start below 1 and the first rounds route softly; the lengths then start short and grow
+        # under the margin loss (our choice: the paper gives no init. Measured on
+        # multimnist-capsnet-small: a scale that keeps |s_j| ≈ |u_i| at uniform coupling, ~J/√N times larger, made
+        # routing near one-hot at the start and SGD oscillate, with the lengths saturating).
+        nn.init.normal_(self.weight, std=pose_dim**-0.5)
+
+    def route(self, u: Tensor, iterations: int, keep_coefficients: bool = False) -> tuple[Tensor, Tensor | None]:
+        """All ``iterations`` rounds with the children fixed; see ``forward``."""
+        return self(u, iterations, keep_coefficients)
+
+    def forward(self, u: Tensor, iterations: int = 3, keep_coefficients: bool = False  # type: ignore[override]
+                ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """Parents after ``iterations`` rounds, and with ``keep_coefficients`` the coupling coefficients (B, P, N, J)
+        of the last round (None at one round, which couples uniformly: the caller fills in 1/J)."""
+        if iterations == 1:  # c_ij = 1/J: one product (conv: one conv2d), no vote tensor
+            if self.kind == "conv":
+                return routing.uniform_conv_step(u, self.weight, self.kernel_size, self.stride, routing.squash), None
+            return self._grid(routing.uniform_step(self.group_children(u), self.weight, routing.squash), u), None
+        parents, coefficients = routing.dynamic_routing(self.group_children(u), self.weight, iterations,
+                                                        keep_coefficients)  # fmt: skip
+        return self._grid(parents, u), coefficients
+
+    def class_logits(self, parents: Tensor) -> Tensor:
+        """(B, C, D) class capsules → (B, C) logits whose sigmoid is each capsule's length |v_k|."""
+        length = torch.linalg.vector_norm(parents, dim=-1).clamp(self.MIN_LENGTH, 1 - self.LENGTH_EPS)  # (B, C)
+        return torch.log(length) - torch.log1p(-length)  # logit(|v_k|)

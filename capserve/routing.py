@@ -168,3 +168,115 @@ def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: N
     if not keep_coefficients:
         return new, None
     return new, torch.cat(coefficients).view(B, P, J, N).transpose(2, 3)  # (B, P, N, J)
+
+
+# ==================================================================================================================
+# Dynamic routing (Sabour, Frosst & Hinton, NeurIPS 2017), the paper's comparison system "dynamic"
+# ==================================================================================================================
+#
+# Vector poses whose length is the probability that the entity exists. Between N children u_i and J parents, per
+# position (conv capsule layers: the k×k window over all child types, weights shared across positions, as above):
+#
+#     votes       û_{j|i} = W_ij u_i
+#     coupling    c_ij = softmax_j(b_ij)            b_ij = 0 at the start, so round 1 couples uniformly (1/J)
+#     parents     v_j = squash(Σ_i c_ij û_{j|i})
+#     agreement   b_ij ← b_ij + <û_{j|i}, v_j>      (not after the last round: it would never be read)
+#
+# for T rounds, all of one layer's before the next layer starts (sequential). The votes do not change between
+# rounds, so ``dynamic_routing`` computes each block of (batch × position) rows' votes once and runs all T rounds
+# on the block while it is in cache, with the same buffer, block size (``vote_blocks``, which ``routing_step`` can
+# share) and two-operand products as ``routing_step``. Memory is one block of votes, plus, when training, every
+# block's votes once (the attention step keeps one copy per iteration) and the D-times-smaller couplings of each
+# round.
+
+
+def squash(s: Tensor) -> Tensor:
+    """Sabour et al.'s non-linearity (their eq. 1), over the last dim: v = |s|²/(1 + |s|²) · s/|s| = s·|s|/(1 + |s|²).
+
+    The direction of ``s`` with a length in [0, 1): short vectors shrink to almost nothing (length ≈ |s|²), long
+    ones reach just below 1. Written without 1/|s|, so it is exact for short vectors and 0 (with a zero gradient)
+    at s = 0, with no epsilon. Any shape (…, D) → the same shape.
+    """
+    length = torch.linalg.vector_norm(s, dim=-1, keepdim=True)  # (…, 1)
+    return s * (length / (1 + length * length))  # (…, D)
+
+
+def vote_blocks(children: Tensor, weight: Tensor, *inputs: Tensor
+                ) -> tuple[Tensor, Tensor, list[tuple[int, int]], Tensor | None]:  # fmt: skip
+    """How a routing step works through its (batch × position) rows: the same blocks as ``routing_step``.
+
+    Args:
+        children: (B, P, N, D) child poses; weight: (N, J, X, Y); inputs: any other tensors the step reads (a
+            block's votes are kept for backward when any of them, or children or weight, requires grad).
+    Returns:
+        the children as rows (BP, N, D); each child's map to all parents (N, D, J·D_out); the blocks of rows as
+        (start, stop); and one buffer for a block's votes, or None where it cannot be reused (recording autograd,
+        autocast, export).
+    """
+    B, P, N, D = children.shape
+    J, Y = weight.shape[1], weight.shape[3]
+    r = _rows(children, weight)
+    D_out, rows = r * Y, B * P
+    u = children.reshape(rows, N, D)  # (BP, N, D)
+    w = _block_weight(weight, r)  # (N, D, J·D_out)
+    if torch.compiler.is_exporting():
+        # an exported graph takes any batch: one block of all rows, no Python loop over a symbolic size
+        return u, w, [(0, rows)], None
+    block = block_rows(N * J * D_out * children.element_size())
+    blocks = [(start, min(start + block, rows)) for start in range(0, rows, block)]
+    # autograd keeps every block's votes for the backward pass, and autocast does not cast ``out=`` products, so only
+    # plain inference reuses one buffer
+    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (children, weight, *inputs))
+    reuse = not recording and not torch.is_autocast_enabled(children.device.type)
+    return u, w, blocks, children.new_empty(N * min(block, rows) * J * D_out) if reuse else None
+
+
+def dynamic_routing(children: Tensor, weight: Tensor, iterations: int,
+                    keep_coefficients: bool = False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """All ``iterations`` rounds of dynamic routing between children and parents, a block of rows at a time.
+
+    Args:
+        children: (B, P, N, D) child poses (squashed vectors).
+        weight: (N, J, X, Y) transforms (vector poses: X = D, Y = D_out).
+        iterations: T >= 1 rounds.
+        keep_coefficients: also return the coupling coefficients of the last round.
+    Returns:
+        parents: (B, P, J, D_out) squashed parent poses v_j after round T.
+        coefficients: (B, P, N, J) coupling coefficients c_ij of round T, summing to 1 over J (1/J at T = 1), or
+            None.
+    Example:
+        >>> v, c = dynamic_routing(torch.randn(2, 1, 5, 8), torch.randn(5, 3, 8, 8), 3, keep_coefficients=True)
+        >>> v.shape, c.shape
+        (torch.Size([2, 1, 3, 8]), torch.Size([2, 1, 5, 3]))
+    """
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    B, P, N, _ = children.shape
+    J = weight.shape[1]
+    u, w, blocks, vote_buffer = vote_blocks(children, weight)  # (BP, N, D), (N, D, J·D_out)
+    D_out = w.shape[-1] // J
+    parents, coefficients = [], []
+    for start, stop in blocks:
+        n = stop - start
+        u_block = u[start:stop].transpose(0, 1).contiguous()  # (N, n, D)
+        out = None if vote_buffer is None else vote_buffer[: N * n * J * D_out].view(N, n, J * D_out)
+        votes = torch.bmm(u_block, w, out=out)  # (N, n, J·D_out): û_{j|i}, one product per child
+        votes = votes.view(N, n * J, D_out).transpose(0, 1)  # (nJ, N, D_out): a view, never a copy
+        # round 1: b_ij = 0, so c_ij = 1/J for every child and no softmax is needed
+        c = None
+        v = squash(votes.sum(dim=1, keepdim=True) / J)  # (nJ, 1, D_out)
+        logits = None
+        for _ in range(iterations - 1):
+            # (1, D_out) @ (D_out, N) per (row, j): the agreement <û_{j|i}, v_j> of every child, parents first
+            agreement = torch.bmm(v, votes.transpose(1, 2)).view(n, J, N)  # (n, J, N)
+            logits = agreement if logits is None else logits + agreement  # b_ij
+            c = torch.softmax(logits, dim=1)  # (n, J, N): over parents
+            # s_j = Σ_i c_ij û_{j|i}: per (row, j) a (1, N) @ (N, D_out) product reading the votes in place
+            v = squash(torch.bmm(c.view(n * J, 1, N), votes))  # (nJ, 1, D_out)
+        parents.append(v)
+        if keep_coefficients:
+            coefficients.append(votes.new_full((n, J, N), 1.0 / J) if c is None else c)
+    new = torch.cat(parents).view(B, P, J, D_out)  # (B, P, J, D_out)
+    if not keep_coefficients:
+        return new, None
+    return new, torch.cat(coefficients).view(B, P, J, N).transpose(2, 3)  # (B, P, N, J)

@@ -43,6 +43,8 @@ pytest.importorskip("onnxruntime")
 
 ALL_T = ("cifar100-simple", "multimnist-vector")
 PAIRS = [(name, T) for name in ALL_T for T in (1, 2, 3, 5)]
+# dynamic routing: its default T = 3 and T = 1 (no vote tensor) on the smallest config; others at T = 2 below
+PAIRS += [("multimnist-capsnet-small", 1), ("multimnist-capsnet-small", 3)]
 PAIRS += [(name, 2) for name in CAPSULE_MODELS if name not in ALL_T]  # CNNs: tests/test_baselines.py
 BATCHES = (1, 3, 17)
 # The issue's bound on max |ONNX Runtime − eager| logits. Deep unrolled routing of a random tiny model
@@ -75,8 +77,11 @@ def exports(tmp_path_factory):
 
 
 def updates(model: capserve.CapsNet, T: int) -> int:
-    """Routed (non-uniform) layer updates the concurrent schedule computes: layer i at t iff t <= T - (L-1-i)."""
+    """Routed (non-uniform) layer updates the schedule computes: concurrent, layer i at t iff t <= T - (L-1-i);
+    sequential (attention or dynamic routing), every layer at t = 2..T."""
     L = len(model.capsules)
+    if model.config.routing == "sequential":
+        return L * (T - 1)
     return sum(1 for t in range(2, T + 1) for i in range(L) if t <= T - (L - 1 - i))
 
 
@@ -109,8 +114,9 @@ def test_graph_is_unrolled_and_keeps_the_schedule(exports, name, T):
     assert "Einsum" not in ops  # two-operand matrix products only (TensorRT-friendly)
     # one Softmax per routed update: the first iteration builds no vote tensor, dead updates are skipped
     assert ops.count("Softmax") == updates(model, T)
-    if T == 1:
-        assert "ReduceSum" not in ops and "Softmax" not in ops
+    if T == 1:  # no vote tensor: nothing to sum over children (dynamic routing's squash sums over a pose only)
+        assert "Softmax" not in ops
+        assert model.config.routing_algorithm == "dynamic" or "ReduceSum" not in ops
     (inp,) = graph.input
     assert inp.name == "images" and inp.type.tensor_type.shape.dim[0].dim_param  # dynamic batch axis
     assert [o.name for o in graph.output] == ["logits"]
@@ -190,7 +196,9 @@ def test_fp16_graph_within_documented_tolerance(exports, name, T, logit_bound, p
     assert (got.argmax(1) == expected.argmax(1))[clear].all()
 
 
-@pytest.mark.parametrize(("name", "T"), [("cifar100-simple", 3), ("multimnist-vector", 1)])
+@pytest.mark.parametrize(
+    ("name", "T"), [("cifar100-simple", 3), ("multimnist-vector", 1), ("multimnist-capsnet-small", 3)]
+)
 def test_explain_graph_gives_the_part_whole_parse(exports, name, T):
     model, path = exports(name, T, explain=True)
     runtime = load_runtime(path)
