@@ -29,7 +29,7 @@ from urllib.parse import parse_qsl
 
 import anyio
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, WrapValidator
 
 from capserve import images
 from capserve.runtime import Explanation, InputError, Runtime, RuntimeLoadError, load_runtime
@@ -222,16 +222,20 @@ def _json_response(status: int, message: str) -> tuple[dict[str, Any], dict[str,
 class RequestGuard:
     """ASGI middleware in front of BentoML: a body size limit (413) and the image routes' body formats.
 
-    On the image routes, a raw ``image/*`` (or ``application/octet-stream``) body becomes the multipart form the
-    API declares, with the query string's parameters as its other fields. A multipart body is parsed once
-    here, so that malformed forms and file fields sent as text (which BentoML would fetch as URLs) get a 400,
-    and any other content type gets a 415, instead of reaching BentoML's parser.
+    The image routes take a multipart form (the API's parameters, the image(s) as file fields) or a raw ``image/*``
+    (or ``application/octet-stream``) body with the other parameters in the query string. The body is parsed
+    here, once: malformed forms and file fields sent as text (which BentoML would fetch as URLs) get a 400, and any
+    other content type a 415. BentoML then receives the parameters as JSON, each image as a token for the bytes
+    parsed here (``guarded_upload``), instead of parsing the form a second time and writing each upload to a
+    temporary file for a ``Path`` parameter.
     """
 
     def __init__(self, app: Any, max_bytes: int, file_fields: Mapping[str, str], get_routes: tuple[str, ...] = (),
-                 unavailable: Mapping[str, str] | None = None):  # fmt: skip
+                 unavailable: Mapping[str, str] | None = None,
+                 list_fields: frozenset[str] = frozenset()):  # fmt: skip
         self.app, self.max_bytes, self.file_fields, self.get_routes = app, max_bytes, dict(file_fields), get_routes
         self.unavailable = dict(unavailable or {})  # route → the 501 message (``unavailable_routes``)
+        self.list_fields = list_fields  # file fields that take a list of images
 
     @staticmethod
     def _body_once(body: bytes, then: Any = None) -> Any:
@@ -291,16 +295,16 @@ class RequestGuard:
             if media.startswith("image/") or media == "application/octet-stream":
                 if not body:
                     return await self._reply(send, 400, "the request body is empty; send an image")
-                part_type = media if media.startswith("image/") else "image/unknown"  # the API declares image/*
                 try:
-                    body, content_type = self._to_multipart(body, field, part_type, scope.get("query_string", b""))
+                    parameters = self._query_parameters(scope.get("query_string", b""), field)
                 except ValueError as e:
                     return await self._reply(send, 400, str(e))
-                scope = {**scope, "headers": self._replace_headers(scope["headers"], content_type, len(body))}
+                images = [body]
             elif media == "multipart/form-data":
-                error = await self._check_form(scope, body, field)
-                if error:
-                    return await self._reply(send, *error)
+                parsed = await self._read_form(scope, body, field)
+                if isinstance(parsed[0], int):
+                    return await self._reply(send, *parsed)
+                parameters, images = parsed
             elif not body:
                 return await self._reply(send, 400, f"the request body is empty; send an image as the multipart "
                                                     f"file field {field!r} or as a raw image/* body")  # fmt: skip
@@ -308,6 +312,12 @@ class RequestGuard:
                 return await self._reply(send, 415, f"Content-Type {media or '(none)'!r} is not accepted here; send "
                                                     f"multipart/form-data with the file field {field!r}, or a raw "
                                                     "image/* body")  # fmt: skip
+            uploads = {f"{UPLOAD_TOKEN}{i}": image for i, image in enumerate(images)}
+            _uploads.set(uploads)
+            tokens = list(uploads)
+            parameters[field] = tokens if field in self.list_fields else tokens[0]
+            body = json.dumps(parameters).encode()
+            scope = {**scope, "headers": self._replace_headers(scope["headers"], "application/json", len(body))}
         return await self.app(scope, self._body_once(body, receive), send)
 
     def _too_large(self, size: int) -> str:
@@ -320,18 +330,22 @@ class RequestGuard:
         await send(body)
 
     @staticmethod
-    def _to_multipart(data: bytes, field: str, part_type: str, query_string: bytes) -> tuple[bytes, str]:
-        boundary = "capserve" + os.urandom(12).hex()
-        parts = []
+    def _value(text: str | bytes) -> Any:
+        """A form field or query parameter as BentoML reads it: JSON when it parses (``5``, ``0.3``), else text."""
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+
+    @staticmethod
+    def _query_parameters(query_string: bytes, field: str) -> dict[str, Any]:
+        parameters = {}
         for name, value in parse_qsl(query_string.decode("latin-1")):
             if not name.isidentifier() or "\r" in value or "\n" in value:
                 raise ValueError(f"query parameter {name!r} is not a valid API parameter")
             if name != field:
-                parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n')
-        head = "".join(parts) + (f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; '
-                                 f'filename="upload"\r\nContent-Type: {part_type}\r\n\r\n')  # fmt: skip
-        body = head.encode("latin-1") + data + f"\r\n--{boundary}--\r\n".encode()
-        return body, f"multipart/form-data; boundary={boundary}"
+                parameters[name] = RequestGuard._value(value)
+        return parameters
 
     @staticmethod
     def _replace_headers(raw: list, content_type: str, length: int) -> list:
@@ -339,7 +353,8 @@ class RequestGuard:
         return [*kept, (b"content-type", content_type.encode()), (b"content-length", str(length).encode())]
 
     @staticmethod
-    async def _check_form(scope: dict, body: bytes, field: str) -> tuple[int, str] | None:
+    async def _read_form(scope: dict, body: bytes, field: str) -> tuple[int, str] | tuple[dict[str, Any], list[bytes]]:
+        """The form's other fields (as BentoML reads them) and the file field's images, or (status, message)."""
         from starlette.datastructures import UploadFile
         from starlette.requests import Request
 
@@ -360,9 +375,35 @@ class RequestGuard:
                 if not part_type.startswith("image/"):
                     return 415, (f"the file part {field!r} has Content-Type {part_type or '(none)'!r}; send it as "
                                  "image/* (e.g. curl -F 'image=@cat.png;type=image/png')")  # fmt: skip
+            images = [await value.read() for value in values]
+            parameters = {}
+            for name in form:
+                if name != field:
+                    value = form[name]
+                    parameters[name] = RequestGuard._value(await value.read() if isinstance(value, UploadFile)
+                                                           else value)  # fmt: skip
         finally:
             await form.close()
-        return None
+        return parameters, images
+
+
+# The images of the current request, parsed by RequestGuard: token → bytes (the JSON BentoML receives names them).
+_uploads: ContextVar[dict[str, bytes] | None] = ContextVar("capserve_uploads", default=None)
+UPLOAD_TOKEN = "capserve-upload:"
+
+
+def guarded_upload(value: Any, handler: Any) -> Any:
+    """Pydantic wrap validator of the image parameters: an upload token → the bytes RequestGuard parsed from this
+    request. Anything else goes to BentoML's own validation (a ``Path`` parameter: the upload in a temporary file)."""
+    if isinstance(value, str) and value.startswith(UPLOAD_TOKEN):
+        uploads = _uploads.get() or {}
+        if value not in uploads:
+            raise ValueError("send the image as a multipart file upload or as a raw image/* body")
+        return uploads[value]
+    return handler(value)
+
+
+GUARDED_UPLOAD = WrapValidator(guarded_upload)  # service.py: Annotated[Path, ContentType("image/*"), GUARDED_UPLOAD]
 
 
 def error_message(status: int, body: bytes) -> str:
@@ -570,13 +611,17 @@ IMAGE_ERRORS: dict[type[images.ImageError], int] = {
 }
 
 
-def decode(path: Path, runtime: Runtime, max_pixels: int, what: str = "the image") -> np.ndarray:
-    """An uploaded file → uint8 (C, H, W) for ``runtime``'s model; bad images raise ``RequestError``.
+Upload = bytes | Path  # an image parameter: the bytes RequestGuard parsed (``guarded_upload``), or a file
 
-    ``what`` names the upload in messages (BentoML stores uploads under temporary names the client never saw).
+
+def decode(upload: Upload, runtime: Runtime, max_pixels: int, what: str = "the image") -> np.ndarray:
+    """An uploaded image → uint8 (C, H, W) for ``runtime``'s model; bad images raise ``RequestError``.
+
+    ``what`` names the upload in messages (the client never sees BentoML's temporary file names).
     """
+    data = upload if isinstance(upload, bytes) else upload.read_bytes()
     try:
-        return images.load_image(path.read_bytes(), runtime.metadata, max_pixels)
+        return images.load_image(data, runtime.metadata, max_pixels)
     except images.ImageError as e:
         raise RequestError(IMAGE_ERRORS.get(type(e), 400), f"{what}: {e}") from e
 
@@ -596,8 +641,10 @@ def prepare_server_process() -> None:
     - Each server gets its own Prometheus folder: BentoML's default is one folder under BENTOML_HOME that
       every ``bentoml serve`` empties at start, resetting the ``/metrics`` of servers already running.
     - BentoML's ERROR-with-traceback for client errors is dropped (each is logged as one line instead).
+    - Without a tracing exporter, requests skip OpenTelemetry (``untraced_without_exporter``).
     """
     logging.getLogger("bentoml._internal.server.http_app").addFilter(QuietClientErrors())
+    untraced_without_exporter()
     if threading.current_thread() is not threading.main_thread():
         return  # imported by a test or a tool, not by a server: signal handlers are the main thread's
     signal.signal(FAILED_START_SIGNAL, _on_failed_start)
@@ -610,6 +657,26 @@ def prepare_server_process() -> None:
         folder = tempfile.mkdtemp(prefix="capserve-metrics-")
         BentoMLContainer.prometheus_multiproc_dir.set(folder)
         atexit.register(shutil.rmtree, folder, True)
+
+
+def untraced_without_exporter() -> bool:
+    """When BentoML's configuration names no tracing exporter (``tracing.exporter_type``) and no
+    ``tracing.excluded_urls``, exclude every URL from its OpenTelemetry middleware: True when it did.
+
+    BentoML runs every request through that middleware (a server span, and a span per receive and per send) even
+    when no exporter is configured and nothing can be recorded; that was about 40 % of the event loop's work per
+    image request (README "Where the time went"). With an exporter configured, requests are traced as before.
+    """
+    try:
+        from bentoml._internal.configuration.containers import BentoMLContainer
+        from opentelemetry.util.http import ExcludeList
+    except ImportError:
+        return False
+    tracing = BentoMLContainer.config.tracing
+    if tracing.exporter_type.get() is not None or tracing.excluded_urls.get() is not None:
+        return False
+    BentoMLContainer.tracing_excluded_urls.set(ExcludeList([".*"]))  # a regex searched in each request's URL
+    return True
 
 
 def settings_or_exit(env: Mapping[str, str] | None = None) -> Settings:
@@ -722,7 +789,7 @@ class Capsules:
         runtime = self.multilabel_model() if multilabel else self.runtime
         return await self.run(self.predict, runtime, pixels)
 
-    async def upload_logits(self, image: Path, multilabel: bool = False) -> np.ndarray:
+    async def upload_logits(self, image: Upload, multilabel: bool = False) -> np.ndarray:
         """Logits (1, classes) of one uploaded image, the server picking by load: when no other single-image
         request is in progress, decoding and inference run in one worker-thread hop (batching would only wait);
         otherwise the decoded image joins adaptive batching (when it is on). Answers are the same either way."""
@@ -776,14 +843,14 @@ class Capsules:
         if top_k > labels:
             raise self.fail(400, f"top_k={top_k} but the model has {labels} labels: give 1..{labels}")
 
-    async def classify(self, image: Path, top_k: int) -> Classification:
+    async def classify(self, image: Upload, top_k: int) -> Classification:
         meta = self.runtime.metadata
         self.check_top_k(top_k)
         probabilities = softmax(await self.upload_logits(image))[0]  # (C,)
         return Classification(model=meta.name, iterations=meta.iterations,
                               predictions=top_labels(probabilities, meta.labels, top_k))  # fmt: skip
 
-    async def classify_batch(self, files: list[Path], top_k: int) -> list[Classification]:
+    async def classify_batch(self, files: list[Upload], top_k: int) -> list[Classification]:
         meta, settings = self.runtime.metadata, self.settings
         if not files:
             raise self.fail(400, "send at least one image in the multipart field 'images'")
@@ -802,7 +869,7 @@ class Capsules:
         return [Classification(model=meta.name, iterations=meta.iterations,
                                predictions=top_labels(p, meta.labels, top_k)) for p in probabilities]  # fmt: skip
 
-    async def multilabel(self, image: Path, threshold: float | None) -> MultiLabel:
+    async def multilabel(self, image: Upload, threshold: float | None) -> MultiLabel:
         runtime = self.multilabel_model()
         meta = runtime.metadata
         probabilities = sigmoid(await self.upload_logits(image, multilabel=True))[0]  # (C,)
@@ -818,7 +885,7 @@ class Capsules:
             thresholds={name: float(t) for name, t in zip(meta.labels, thresholds, strict=True)},
         )  # fmt: skip
 
-    async def explain(self, image: Path, capsules: int) -> Explained:
+    async def explain(self, image: Upload, capsules: int) -> Explained:
         explainer = self.explainer
         if explainer is None:
             model = self.source.path
@@ -911,3 +978,4 @@ def unavailable_routes(settings: Settings) -> dict[str, str]:
 
 
 FILE_FIELDS = {"/classify": "image", "/classify_batch": "images", "/multilabel": "image", "/explain": "image"}
+LIST_FIELDS = frozenset({"images"})  # file fields that take a list of images (the API's ``list[ImageFile]``)
