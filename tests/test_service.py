@@ -386,6 +386,37 @@ def test_requests_skip_opentelemetry_only_without_a_tracing_exporter():
         tracing.excluded_urls.set(saved[1])
 
 
+def test_bad_images_among_concurrent_requests_fail_alone(server, models):
+    """Under load the uploads are decoded in their batch's worker thread: a bad image fails its own request with
+    its README status, and the good ones batched with it still equal unbatched answers."""
+    runtime = load_runtime(models["cifar10"] / "model.onnx")
+    bad = {"not-an-image": (b"hello, world" * 10, 400), "1x1": (encode(np.zeros((1, 1, 3), np.uint8)), 422),
+           "over-pixel-limit": (png_header_only(1200, 1000), 413)}  # fmt: skip
+    requests = [(random_png(200 + i), 200) for i in range(24)]
+    for i, (data, status) in enumerate(bad.values()):
+        requests[4 + 7 * i : 4 + 7 * i] = [(data, status)]
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=str(server.base_url), timeout=120) as client:
+            return await asyncio.gather(*(client.post("/classify", **upload(d), data={"top_k": "10"})
+                                          for d, _ in requests))  # fmt: skip
+
+    before = batches(server)
+    responses = asyncio.run(send_all())
+    assert [r.status_code for r in responses] == [status for _, status in requests], [r.text for r in responses]
+    for r, (data, status) in zip(responses, requests, strict=True):
+        if status != 200:
+            assert error_of(r)
+            continue
+        got = np.zeros(10)
+        for p in r.json()["predictions"]:
+            got[p["index"]] = p["probability"]
+        np.testing.assert_allclose(got, softmax(runtime.predict(images.preprocess(data, runtime.metadata))[0]),
+                                   atol=1e-5)  # fmt: skip
+    count, total = (a - b for a, b in zip(batches(server), before, strict=True))
+    assert total == len(requests) and count < len(requests), "some requests should have been batched"
+
+
 def batches(server) -> tuple[float, float]:
     """(batches run, images in them) for /classify's adaptive batching, from /metrics."""
     count = total = 0.0
