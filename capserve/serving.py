@@ -792,8 +792,7 @@ class Capsules:
     async def upload_logits(self, image: Upload, multilabel: bool = False) -> np.ndarray:
         """Logits (1, classes) of one uploaded image, the server picking by load: when no other single-image
         request is in progress, decoding and inference run in one worker-thread hop (batching would only wait);
-        otherwise the upload joins adaptive batching (when it is on), and each batch is decoded and run in one hop.
-        Answers are the same either way."""
+        otherwise the decoded image joins adaptive batching (when it is on). Answers are the same either way."""
         runtime = self.multilabel_model() if multilabel else self.runtime
         max_pixels = self.settings.max_pixels
 
@@ -807,19 +806,15 @@ class Capsules:
             if self._pending[multilabel] == 1:
                 batch_size_histogram().labels(endpoint=ENDPOINTS[multilabel]).observe(1)
                 return await self.run(decode_and_predict)
+            pixels = await self.run(decode, image, runtime, max_pixels)
             if multilabel not in self._batchers:  # created on first use: the engine binds to the running event loop
                 self._batchers[multilabel] = self._batcher(runtime, multilabel)
-            try:
-                return await self._batchers[multilabel](image)
-            except RequestError as e:  # this upload's own decoding error, raised in this request's context
-                raise self.error(e) from e
+            return await self._batchers[multilabel](pixels[None])
         finally:
             self._pending[multilabel] -= 1
 
     def _batcher(self, runtime: Runtime, multilabel: bool) -> Any:
-        """BentoML's adaptive batching engine (the CorkDispatcher behind batchable APIs) around ``runtime``: uploads
-        in, logits (1, classes) or the upload's ``RequestError`` out, each batch decoded and run in one worker-thread
-        hop (a hop per request to decode first cost the event loop ≈ 15 % more per request).
+        """BentoML's adaptive batching engine (the CorkDispatcher behind batchable APIs) around ``runtime``.
 
         Called in-process: BentoML's own in-process client to a batchable API (``self.to_async``) loses
         responses under concurrency (aiohttp "Server disconnected"), so the endpoints use the engine directly.
@@ -833,26 +828,13 @@ class Capsules:
                                  "(CAPSERVE_MAX_LATENCY_MS); retry later")  # fmt: skip
 
         dispatcher = CorkDispatcher(max_latency_in_ms=settings.max_latency_ms, max_batch_size=settings.max_batch_size,
-                                    fallback=overloaded, get_batch_size=lambda upload: 1)  # fmt: skip
+                                    fallback=overloaded, get_batch_size=len, batch_dim=(0, 0))  # fmt: skip
         endpoint = ENDPOINTS[multilabel]
 
-        def decode_and_predict(uploads: list[Upload]) -> list[np.ndarray | RequestError]:
-            results: list[np.ndarray | RequestError] = []
-            pixels = []
-            for upload in uploads:
-                try:
-                    pixels.append(decode(upload, runtime, settings.max_pixels))  # (C, H, W)
-                    results.append(np.empty(0))  # filled below
-                except RequestError as e:  # a bad image fails its own request only
-                    results.append(e)
-            if pixels:
-                logits = iter(self.predict(runtime, np.stack(pixels)))  # (B, classes)
-                results = [r if isinstance(r, RequestError) else next(logits)[None] for r in results]
-            return results
-
-        async def infer(uploads: list[Upload]) -> list[np.ndarray | RequestError]:
-            batch_size_histogram().labels(endpoint=endpoint).observe(len(uploads))
-            return await self.run(decode_and_predict, uploads)
+        async def infer(batches: list[np.ndarray]) -> list[np.ndarray]:
+            batch_size_histogram().labels(endpoint=endpoint).observe(len(batches))
+            logits = await self.run(self.predict, runtime, np.concatenate(batches))  # (B, classes)
+            return list(np.split(logits, np.cumsum([len(b) for b in batches])[:-1]))
 
         return dispatcher(infer)
 

@@ -387,8 +387,8 @@ def test_requests_skip_opentelemetry_only_without_a_tracing_exporter():
 
 
 def test_bad_images_among_concurrent_requests_fail_alone(server, models):
-    """Under load the uploads are decoded in their batch's worker thread: a bad image fails its own request with
-    its README status, and the good ones batched with it still equal unbatched answers."""
+    """Under load, with adaptive batching on: a bad image fails its own request with its README status, and the
+    good ones sent with it, batched, still equal unbatched answers."""
     runtime = load_runtime(models["cifar10"] / "model.onnx")
     bad = {"not-an-image": (b"hello, world" * 10, 400), "1x1": (encode(np.zeros((1, 1, 3), np.uint8)), 422),
            "over-pixel-limit": (png_header_only(1200, 1000), 413)}  # fmt: skip
