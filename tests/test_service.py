@@ -415,7 +415,7 @@ def test_bad_images_among_concurrent_requests_fail_alone(server, models):
         np.testing.assert_allclose(got, softmax(runtime.predict(images.preprocess(data, runtime.metadata))[0]),
                                    atol=1e-5)  # fmt: skip
     count, total = (a - b for a, b in zip(batches(server), before, strict=True))
-    assert total == len(requests) and count < len(requests), "some requests should have been batched"
+    assert total >= 24 and count < total, "some of the good images should have been batched"  # bad ones: before
 
 
 def batches(server) -> tuple[float, float]:
