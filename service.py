@@ -15,7 +15,8 @@ from pydantic import Field
 from capserve import serving
 from capserve.serving import Classification, Explained, MultiLabel
 
-ImageFile = Annotated[Path, ContentType("image/*")]
+# a file upload in the API (OpenAPI, clients); served as the bytes RequestGuard parsed (serving.guarded_upload)
+ImageFile = Annotated[Path, ContentType("image/*"), serving.GUARDED_UPLOAD]
 serving.prepare_server_process()  # exit status 3 when the model cannot load, own /metrics folder, quiet 4xx logs
 SETTINGS = serving.settings_or_exit()  # read at import: the batching limits go into the API decorators
 BATCH = dict(batchable=True, max_batch_size=max(SETTINGS.max_batch_size, 2), max_latency_ms=SETTINGS.max_latency_ms)
@@ -72,4 +73,5 @@ class CapsuleService:
 
 CapsuleService.add_asgi_middleware(serving.RequestGuard, max_bytes=SETTINGS.max_bytes,
                                    file_fields=serving.FILE_FIELDS, get_routes=("/model",),
-                                   unavailable=serving.unavailable_routes(SETTINGS))  # fmt: skip
+                                   unavailable=serving.unavailable_routes(SETTINGS),
+                                   list_fields=serving.LIST_FIELDS)  # fmt: skip

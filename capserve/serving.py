@@ -29,7 +29,7 @@ from urllib.parse import parse_qsl
 
 import anyio
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, WrapValidator
 
 from capserve import images
 from capserve.runtime import Explanation, InputError, Runtime, RuntimeLoadError, load_runtime
@@ -222,16 +222,20 @@ def _json_response(status: int, message: str) -> tuple[dict[str, Any], dict[str,
 class RequestGuard:
     """ASGI middleware in front of BentoML: a body size limit (413) and the image routes' body formats.
 
-    On the image routes, a raw ``image/*`` (or ``application/octet-stream``) body becomes the multipart form the
-    API declares, with the query string's parameters as its other fields. A multipart body is parsed once
-    here, so that malformed forms and file fields sent as text (which BentoML would fetch as URLs) get a 400,
-    and any other content type gets a 415, instead of reaching BentoML's parser.
+    The image routes take a multipart form (the API's parameters, the image(s) as file fields) or a raw ``image/*``
+    (or ``application/octet-stream``) body with the other parameters in the query string. The body is parsed
+    here, once: malformed forms and file fields sent as text (which BentoML would fetch as URLs) get a 400, and any
+    other content type a 415. BentoML then receives the parameters as JSON, each image as a token for the bytes
+    parsed here (``guarded_upload``), instead of parsing the form a second time and writing each upload to a
+    temporary file for a ``Path`` parameter.
     """
 
     def __init__(self, app: Any, max_bytes: int, file_fields: Mapping[str, str], get_routes: tuple[str, ...] = (),
-                 unavailable: Mapping[str, str] | None = None):  # fmt: skip
+                 unavailable: Mapping[str, str] | None = None,
+                 list_fields: frozenset[str] = frozenset()):  # fmt: skip
         self.app, self.max_bytes, self.file_fields, self.get_routes = app, max_bytes, dict(file_fields), get_routes
         self.unavailable = dict(unavailable or {})  # route → the 501 message (``unavailable_routes``)
+        self.list_fields = list_fields  # file fields that take a list of images
 
     @staticmethod
     def _body_once(body: bytes, then: Any = None) -> Any:
@@ -291,16 +295,16 @@ class RequestGuard:
             if media.startswith("image/") or media == "application/octet-stream":
                 if not body:
                     return await self._reply(send, 400, "the request body is empty; send an image")
-                part_type = media if media.startswith("image/") else "image/unknown"  # the API declares image/*
                 try:
-                    body, content_type = self._to_multipart(body, field, part_type, scope.get("query_string", b""))
+                    parameters = self._query_parameters(scope.get("query_string", b""), field)
                 except ValueError as e:
                     return await self._reply(send, 400, str(e))
-                scope = {**scope, "headers": self._replace_headers(scope["headers"], content_type, len(body))}
+                images = [body]
             elif media == "multipart/form-data":
-                error = await self._check_form(scope, body, field)
-                if error:
-                    return await self._reply(send, *error)
+                parsed = await self._read_form(scope, body, field)
+                if isinstance(parsed[0], int):
+                    return await self._reply(send, *parsed)
+                parameters, images = parsed
             elif not body:
                 return await self._reply(send, 400, f"the request body is empty; send an image as the multipart "
                                                     f"file field {field!r} or as a raw image/* body")  # fmt: skip
@@ -308,6 +312,12 @@ class RequestGuard:
                 return await self._reply(send, 415, f"Content-Type {media or '(none)'!r} is not accepted here; send "
                                                     f"multipart/form-data with the file field {field!r}, or a raw "
                                                     "image/* body")  # fmt: skip
+            uploads = {f"{UPLOAD_TOKEN}{i}": image for i, image in enumerate(images)}
+            _uploads.set(uploads)
+            tokens = list(uploads)
+            parameters[field] = tokens if field in self.list_fields else tokens[0]
+            body = json.dumps(parameters).encode()
+            scope = {**scope, "headers": self._replace_headers(scope["headers"], "application/json", len(body))}
         return await self.app(scope, self._body_once(body, receive), send)
 
     def _too_large(self, size: int) -> str:
@@ -320,18 +330,22 @@ class RequestGuard:
         await send(body)
 
     @staticmethod
-    def _to_multipart(data: bytes, field: str, part_type: str, query_string: bytes) -> tuple[bytes, str]:
-        boundary = "capserve" + os.urandom(12).hex()
-        parts = []
+    def _value(text: str | bytes) -> Any:
+        """A form field or query parameter as BentoML reads it: JSON when it parses (``5``, ``0.3``), else text."""
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+
+    @staticmethod
+    def _query_parameters(query_string: bytes, field: str) -> dict[str, Any]:
+        parameters = {}
         for name, value in parse_qsl(query_string.decode("latin-1")):
             if not name.isidentifier() or "\r" in value or "\n" in value:
                 raise ValueError(f"query parameter {name!r} is not a valid API parameter")
             if name != field:
-                parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n')
-        head = "".join(parts) + (f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; '
-                                 f'filename="upload"\r\nContent-Type: {part_type}\r\n\r\n')  # fmt: skip
-        body = head.encode("latin-1") + data + f"\r\n--{boundary}--\r\n".encode()
-        return body, f"multipart/form-data; boundary={boundary}"
+                parameters[name] = RequestGuard._value(value)
+        return parameters
 
     @staticmethod
     def _replace_headers(raw: list, content_type: str, length: int) -> list:
@@ -339,7 +353,8 @@ class RequestGuard:
         return [*kept, (b"content-type", content_type.encode()), (b"content-length", str(length).encode())]
 
     @staticmethod
-    async def _check_form(scope: dict, body: bytes, field: str) -> tuple[int, str] | None:
+    async def _read_form(scope: dict, body: bytes, field: str) -> tuple[int, str] | tuple[dict[str, Any], list[bytes]]:
+        """The form's other fields (as BentoML reads them) and the file field's images, or (status, message)."""
         from starlette.datastructures import UploadFile
         from starlette.requests import Request
 
@@ -360,9 +375,35 @@ class RequestGuard:
                 if not part_type.startswith("image/"):
                     return 415, (f"the file part {field!r} has Content-Type {part_type or '(none)'!r}; send it as "
                                  "image/* (e.g. curl -F 'image=@cat.png;type=image/png')")  # fmt: skip
+            images = [await value.read() for value in values]
+            parameters = {}
+            for name in form:
+                if name != field:
+                    value = form[name]
+                    parameters[name] = RequestGuard._value(await value.read() if isinstance(value, UploadFile)
+                                                           else value)  # fmt: skip
         finally:
             await form.close()
-        return None
+        return parameters, images
+
+
+# The images of the current request, parsed by RequestGuard: token → bytes (the JSON BentoML receives names them).
+_uploads: ContextVar[dict[str, bytes] | None] = ContextVar("capserve_uploads", default=None)
+UPLOAD_TOKEN = "capserve-upload:"
+
+
+def guarded_upload(value: Any, handler: Any) -> Any:
+    """Pydantic wrap validator of the image parameters: an upload token → the bytes RequestGuard parsed from this
+    request. Anything else goes to BentoML's own validation (a ``Path`` parameter: the upload in a temporary file)."""
+    if isinstance(value, str) and value.startswith(UPLOAD_TOKEN):
+        uploads = _uploads.get() or {}
+        if value not in uploads:
+            raise ValueError("send the image as a multipart file upload or as a raw image/* body")
+        return uploads[value]
+    return handler(value)
+
+
+GUARDED_UPLOAD = WrapValidator(guarded_upload)  # service.py: Annotated[Path, ContentType("image/*"), GUARDED_UPLOAD]
 
 
 def error_message(status: int, body: bytes) -> str:
@@ -578,13 +619,17 @@ IMAGE_ERRORS: dict[type[images.ImageError], int] = {
 }
 
 
-def decode(path: Path, runtime: Runtime, max_pixels: int, what: str = "the image") -> np.ndarray:
-    """An uploaded file → uint8 (C, H, W) for ``runtime``'s model; bad images raise ``RequestError``.
+Upload = bytes | Path  # an image parameter: the bytes RequestGuard parsed (``guarded_upload``), or a file
 
-    ``what`` names the upload in messages (BentoML stores uploads under temporary names the client never saw).
+
+def decode(upload: Upload, runtime: Runtime, max_pixels: int, what: str = "the image") -> np.ndarray:
+    """An uploaded image → uint8 (C, H, W) for ``runtime``'s model; bad images raise ``RequestError``.
+
+    ``what`` names the upload in messages (the client never sees BentoML's temporary file names).
     """
+    data = upload if isinstance(upload, bytes) else upload.read_bytes()
     try:
-        return images.load_image(path.read_bytes(), runtime.metadata, max_pixels)
+        return images.load_image(data, runtime.metadata, max_pixels)
     except images.ImageError as e:
         raise RequestError(IMAGE_ERRORS.get(type(e), 400), f"{what}: {e}") from e
 
@@ -604,8 +649,10 @@ def prepare_server_process() -> None:
     - Each server gets its own Prometheus folder: BentoML's default is one folder under BENTOML_HOME that
       every ``bentoml serve`` empties at start, resetting the ``/metrics`` of servers already running.
     - BentoML's ERROR-with-traceback for client errors is dropped (each is logged as one line instead).
+    - Without a tracing exporter, requests skip OpenTelemetry (``untraced_without_exporter``).
     """
     logging.getLogger("bentoml._internal.server.http_app").addFilter(QuietClientErrors())
+    untraced_without_exporter()
     if threading.current_thread() is not threading.main_thread():
         return  # imported by a test or a tool, not by a server: signal handlers are the main thread's
     signal.signal(FAILED_START_SIGNAL, _on_failed_start)
@@ -618,6 +665,26 @@ def prepare_server_process() -> None:
         folder = tempfile.mkdtemp(prefix="capserve-metrics-")
         BentoMLContainer.prometheus_multiproc_dir.set(folder)
         atexit.register(shutil.rmtree, folder, True)
+
+
+def untraced_without_exporter() -> bool:
+    """When BentoML's configuration names no tracing exporter (``tracing.exporter_type``) and no
+    ``tracing.excluded_urls``, exclude every URL from its OpenTelemetry middleware: True when it did.
+
+    BentoML runs every request through that middleware (a server span, and a span per receive and per send) even
+    when no exporter is configured and nothing can be recorded; that was about 40 % of the event loop's work per
+    image request (README "Where the time went"). With an exporter configured, requests are traced as before.
+    """
+    try:
+        from bentoml._internal.configuration.containers import BentoMLContainer
+        from opentelemetry.util.http import ExcludeList
+    except ImportError:
+        return False
+    tracing = BentoMLContainer.config.tracing
+    if tracing.exporter_type.get() is not None or tracing.excluded_urls.get() is not None:
+        return False
+    BentoMLContainer.tracing_excluded_urls.set(ExcludeList([".*"]))  # a regex searched in each request's URL
+    return True
 
 
 def settings_or_exit(env: Mapping[str, str] | None = None) -> Settings:
@@ -670,6 +737,11 @@ class Capsules:
                                              "one or 'none'")  # fmt: skip
             self.batching = settings.max_batch_size > 1
             self._batchers: dict[bool, Any] = {}  # multilabel → batched predict
+            # multilabel → the runtime its adaptive batches run on (a separate ONNX Runtime session on CPUs)
+            self._batch_runtimes: dict[bool, Runtime] = {}
+            for multilabel, runtime in ((False, self.runtime), (True, self.multilabel_runtime)):
+                if runtime is not None and self.batching:
+                    self._batch_runtimes[multilabel] = batch_runtime(runtime, settings)
             self._pending = {False: 0, True: 0}  # multilabel → single-image requests decoding, queued or running
             self._warm_up()
         except Exception as e:  # any failed start stops the server (exit 3); unexpected ones with their traceback
@@ -680,7 +752,9 @@ class Capsules:
     def _warm_up(self) -> None:
         """One inference per loaded runtime (and explanation graph): readiness means a real answer came back."""
         try:
-            for runtime in (self.runtime, self.multilabel_runtime, self.explainer):
+            served = (self.runtime, self.multilabel_runtime, self.explainer)
+            batch_sessions = [r for r in self._batch_runtimes.values() if all(r is not s for s in served)]
+            for runtime in (*served, *batch_sessions):
                 if runtime is None:
                     continue
                 zeros = images.normalize_images(
@@ -730,7 +804,7 @@ class Capsules:
         runtime = self.multilabel_model() if multilabel else self.runtime
         return await self.run(self.predict, runtime, pixels)
 
-    async def upload_logits(self, image: Path, multilabel: bool = False) -> np.ndarray:
+    async def upload_logits(self, image: Upload, multilabel: bool = False) -> np.ndarray:
         """Logits (1, classes) of one uploaded image, the server picking by load: when no other single-image
         request is in progress, decoding and inference run in one worker-thread hop (batching would only wait);
         otherwise the decoded image joins adaptive batching (when it is on). Answers are the same either way."""
@@ -760,7 +834,7 @@ class Capsules:
         Called in-process: BentoML's own in-process client to a batchable API (``self.to_async``) loses
         responses under concurrency (aiohttp "Server disconnected"), so the endpoints use the engine directly.
         """
-        from bentoml._internal.marshal.dispatcher import CorkDispatcher
+        from bentoml._internal.marshal.dispatcher import CorkDispatcher, NonBlockSema
 
         settings = self.settings
 
@@ -768,30 +842,41 @@ class Capsules:
             raise self.fail(503, f"the batching queue held this request over {settings.max_latency_ms} ms "
                                  "(CAPSERVE_MAX_LATENCY_MS); retry later")  # fmt: skip
 
+        batch_runtime = self._batch_runtimes.get(multilabel, runtime)
+        in_flight = self.batches_in_flight(multilabel)
         dispatcher = CorkDispatcher(max_latency_in_ms=settings.max_latency_ms, max_batch_size=settings.max_batch_size,
-                                    fallback=overloaded, get_batch_size=len, batch_dim=(0, 0))  # fmt: skip
+                                    fallback=overloaded, get_batch_size=len, batch_dim=(0, 0),
+                                    shared_sema=NonBlockSema(in_flight))  # fmt: skip
         endpoint = ENDPOINTS[multilabel]
 
         async def infer(batches: list[np.ndarray]) -> list[np.ndarray]:
             batch_size_histogram().labels(endpoint=endpoint).observe(len(batches))
-            logits = await self.run(self.predict, runtime, np.concatenate(batches))  # (B, classes)
+            logits = await self.run(self.predict, batch_runtime, np.concatenate(batches))  # (B, classes)
             return list(np.split(logits, np.cumsum([len(b) for b in batches])[:-1]))
 
         return dispatcher(infer)
+
+    def batches_in_flight(self, multilabel: bool = False) -> int:
+        """How many adaptive batches may run at once: ``BATCHES_IN_FLIGHT`` on a separate batch session (ONNX
+        Runtime on a CPU, ``batch_runtime``), else 1 (BentoML's default); 0 with batching off."""
+        if not self.batching:
+            return 0
+        runtime = self.multilabel_runtime if multilabel else self.runtime
+        return BATCHES_IN_FLIGHT if self._batch_runtimes.get(multilabel, runtime) is not runtime else 1
 
     def check_top_k(self, top_k: int) -> None:
         labels = len(self.runtime.metadata.labels)
         if top_k > labels:
             raise self.fail(400, f"top_k={top_k} but the model has {labels} labels: give 1..{labels}")
 
-    async def classify(self, image: Path, top_k: int) -> Classification:
+    async def classify(self, image: Upload, top_k: int) -> Classification:
         meta = self.runtime.metadata
         self.check_top_k(top_k)
         probabilities = softmax(await self.upload_logits(image))[0]  # (C,)
         return Classification(model=meta.name, iterations=meta.iterations,
                               predictions=top_labels(probabilities, meta.labels, top_k))  # fmt: skip
 
-    async def classify_batch(self, files: list[Path], top_k: int) -> list[Classification]:
+    async def classify_batch(self, files: list[Upload], top_k: int) -> list[Classification]:
         meta, settings = self.runtime.metadata, self.settings
         if not files:
             raise self.fail(400, "send at least one image in the multipart field 'images'")
@@ -810,7 +895,7 @@ class Capsules:
         return [Classification(model=meta.name, iterations=meta.iterations,
                                predictions=top_labels(p, meta.labels, top_k)) for p in probabilities]  # fmt: skip
 
-    async def multilabel(self, image: Path, threshold: float | None) -> MultiLabel:
+    async def multilabel(self, image: Upload, threshold: float | None) -> MultiLabel:
         runtime = self.multilabel_model()
         meta = runtime.metadata
         probabilities = sigmoid(await self.upload_logits(image, multilabel=True))[0]  # (C,)
@@ -826,7 +911,7 @@ class Capsules:
             thresholds={name: float(t) for name, t in zip(meta.labels, thresholds, strict=True)},
         )  # fmt: skip
 
-    async def explain(self, image: Path, capsules: int) -> Explained:
+    async def explain(self, image: Upload, capsules: int) -> Explained:
         explainer = self.explainer
         if not has_routing(self.runtime):
             raise self.fail(501, f"{self.runtime.metadata.name} is a CNN without routing: there is no part-whole "
@@ -882,10 +967,27 @@ class Capsules:
                 "enabled": self.batching,
                 "max_batch_size": s.max_batch_size,
                 "max_latency_ms": s.max_latency_ms,
+                "batches_in_flight": self.batches_in_flight(),
             },
             "limits": {"max_bytes": s.max_bytes, "max_pixels": s.max_pixels, "max_images": s.max_images},
             "versions": {"capserve": self.runtime.metadata.capserve_version, "bentoml": bentoml.__version__},
         }
+
+
+BATCHES_IN_FLIGHT = 2  # adaptive batches run at once on a separate ONNX Runtime CPU session (batch_runtime)
+
+
+def batch_runtime(runtime: Runtime, settings: Settings) -> Runtime:
+    """The runtime adaptive batches run on: for ONNX Runtime on a CPU, a second session of the same graph with the
+    cores split between ``BATCHES_IN_FLIGHT`` batches (on 2 cores: one intra-op thread each), so that the next batch
+    starts while one runs and no run waits on a peer thread descheduled by another; measured on this 2-core
+    machine at concurrency 32, ≈ 10 % less CPU per request than one batch at a time on both cores (README "Where
+    the time went"). Lone requests keep ``runtime`` and all its cores (the lowest latency). Other backends: itself.
+    """
+    if runtime.backend != "onnxruntime" or settings.device != "cpu":
+        return runtime
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return load_runtime(runtime.path, "onnxruntime", settings.device, threads=max(1, cores // BATCHES_IN_FLIGHT))
 
 
 ENDPOINTS = {False: "classify", True: "multilabel"}  # multilabel → the endpoint label of the batch-size metric
@@ -922,3 +1024,4 @@ def unavailable_routes(settings: Settings) -> dict[str, str]:
 
 
 FILE_FIELDS = {"/classify": "image", "/classify_batch": "images", "/multilabel": "image", "/explain": "image"}
+LIST_FIELDS = frozenset({"images"})  # file fields that take a list of images (the API's ``list[ImageFile]``)

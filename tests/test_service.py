@@ -103,8 +103,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
+    (tmp / "tmp").mkdir()
     proc, url, log = start_server(
         tmp,
+        TMPDIR=str(tmp / "tmp"),  # where BentoML would write uploads for Path parameters
         CAPSERVE_MODEL=str(models["cifar10"]),
         CAPSERVE_MULTILABEL_MODEL=str(models["multimnist"]),
         CAPSERVE_MAX_BYTES=str(MAX_BYTES),
@@ -299,7 +301,8 @@ def test_model_metadata(server):
     assert single["backend"] == "onnxruntime" and single["providers"] == ["CPUExecutionProvider"]
     assert body["multi_label"]["name"] == "multimnist-matrix-small" and body["multi_label"]["image_size"] == 36
     assert body["versions"]["capserve"] == capserve.__version__
-    assert body["batching"] == {"enabled": True, "max_batch_size": 16, "max_latency_ms": 30000}
+    # ONNX Runtime on a CPU: two batches at once, each on a separate session with half the cores
+    assert body["batching"] == {"enabled": True, "max_batch_size": 16, "max_latency_ms": 30000, "batches_in_flight": 2}
 
 
 def test_concurrent_requests_equal_unbatched(server, models):
@@ -321,6 +324,98 @@ def test_concurrent_requests_equal_unbatched(server, models):
         np.testing.assert_allclose(got, e, atol=1e-5)
     count, total = (a - b for a, b in zip(batches(server), before, strict=True))
     assert total == 64 and count < 64, "adaptive batching should have merged some of 64 concurrent requests"
+
+
+def test_uploads_are_parsed_once_and_never_written_to_disk(server):
+    """RequestGuard parses each body once and hands BentoML the images' bytes: BentoML neither parses the form again
+    nor writes each upload to a temporary file (in a per-request folder) for the ``Path`` parameters."""
+    files = [("images", ("a.png", GOOD, "image/png"))] * 2
+    for path, request in [("/classify", upload(GOOD)), ("/classify?top_k=2", RAW_PNG), ("/explain", upload(GOOD)),
+                          ("/multilabel", upload(GOOD)), ("/classify_batch", dict(files=files))]:  # fmt: skip
+        r = server.post(path, **request)
+        assert r.status_code == 200, (path, r.text)
+    assert (server.tmp / "tmp").is_dir()
+    assert not list((server.tmp / "tmp").glob("bentoml-request-*"))
+
+
+def test_an_upload_token_names_only_the_images_of_its_own_request():
+    """The JSON that RequestGuard hands BentoML names each image by a token; a token this request's guard did not
+    mint is refused (the image routes answer JSON bodies from clients with 415 before that)."""
+    import contextvars
+
+    from capserve.serving import UPLOAD_TOKEN, _uploads, guarded_upload
+
+    def bentoml_validation(value):
+        return ("bentoml", value)
+
+    token = UPLOAD_TOKEN + "0"
+    with pytest.raises(ValueError, match="multipart file upload"):
+        guarded_upload(token, bentoml_validation)  # no request parsed anything in this context
+
+    def in_a_request() -> tuple:
+        _uploads.set({token: b"the image"})
+        with pytest.raises(ValueError):
+            guarded_upload(UPLOAD_TOKEN + "1", bentoml_validation)
+        return guarded_upload(token, bentoml_validation), guarded_upload("other", bentoml_validation)
+
+    assert contextvars.copy_context().run(in_a_request) == (b"the image", ("bentoml", "other"))
+    assert _uploads.get() is None
+
+
+def test_requests_skip_opentelemetry_only_without_a_tracing_exporter():
+    """BentoML's OpenTelemetry middleware costs ~40 % of the event loop per image request even when traces go
+    nowhere: every URL is excluded when no exporter and no excluded_urls are configured, none otherwise."""
+    from bentoml._internal.configuration.containers import BentoMLContainer
+    from opentelemetry.util.http import ExcludeList
+
+    from capserve.serving import untraced_without_exporter
+
+    tracing, excluded = BentoMLContainer.config.tracing, BentoMLContainer.tracing_excluded_urls
+    saved = tracing.exporter_type.get(), tracing.excluded_urls.get()
+    url = "http://127.0.0.1:3000/classify?top_k=1"
+    try:
+        with excluded.patch(ExcludeList([])):
+            tracing.exporter_type.set("otlp")
+            assert not untraced_without_exporter() and not excluded.get().url_disabled(url)
+            tracing.exporter_type.set(None)
+            tracing.excluded_urls.set("/metrics")
+            assert not untraced_without_exporter() and not excluded.get().url_disabled(url)
+            tracing.excluded_urls.set(None)
+            assert untraced_without_exporter() and excluded.get().url_disabled(url)
+    finally:
+        tracing.exporter_type.set(saved[0])
+        tracing.excluded_urls.set(saved[1])
+
+
+def test_bad_images_among_concurrent_requests_fail_alone(server, models):
+    """Under load, with adaptive batching on: a bad image fails its own request with its README status, and the
+    good ones sent with it, batched, still equal unbatched answers."""
+    runtime = load_runtime(models["cifar10"] / "model.onnx")
+    bad = {"not-an-image": (b"hello, world" * 10, 400), "1x1": (encode(np.zeros((1, 1, 3), np.uint8)), 422),
+           "over-pixel-limit": (png_header_only(1200, 1000), 413)}  # fmt: skip
+    requests = [(random_png(200 + i), 200) for i in range(24)]
+    for i, (data, status) in enumerate(bad.values()):
+        requests[4 + 7 * i : 4 + 7 * i] = [(data, status)]
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=str(server.base_url), timeout=120) as client:
+            return await asyncio.gather(*(client.post("/classify", **upload(d), data={"top_k": "10"})
+                                          for d, _ in requests))  # fmt: skip
+
+    before = batches(server)
+    responses = asyncio.run(send_all())
+    assert [r.status_code for r in responses] == [status for _, status in requests], [r.text for r in responses]
+    for r, (data, status) in zip(responses, requests, strict=True):
+        if status != 200:
+            assert error_of(r)
+            continue
+        got = np.zeros(10)
+        for p in r.json()["predictions"]:
+            got[p["index"]] = p["probability"]
+        np.testing.assert_allclose(got, softmax(runtime.predict(images.preprocess(data, runtime.metadata))[0]),
+                                   atol=1e-5)  # fmt: skip
+    count, total = (a - b for a, b in zip(batches(server), before, strict=True))
+    assert total >= 24 and count < total, "some of the good images should have been batched"  # bad ones: before
 
 
 def batches(server) -> tuple[float, float]:

@@ -109,6 +109,7 @@ def test_torch_backend_serves_the_configured_iterations(torch_server, eager):
     assert (single["backend"], single["iterations"], single["name"]) == ("torch", SERVED_T, "cifar10-resnet")
     assert body["multi_label"] is None and body["explain"]["backend"] == "torch"
     assert body["batching"]["enabled"] is False and body["batching"]["max_batch_size"] == 1
+    assert body["batching"]["batches_in_flight"] == 0
     pixels = real_images.cifar10()[0][:3]
     for image in pixels:
         data = real_images.png(image)
@@ -282,8 +283,8 @@ def test_logits_endpoints_of_the_shipped_models(shipped_server):
 
 def test_no_explanation_graph_answers_501(shipped_server):
     body = shipped_server.get("/model").json()
-    assert body["explain"] is None and body["batching"] == {"enabled": True, "max_batch_size": 8,
-                                                            "max_latency_ms": 10000}  # fmt: skip
+    assert body["explain"] is None
+    assert body["batching"] == {"enabled": True, "max_batch_size": 8, "max_latency_ms": 10000, "batches_in_flight": 2}
     r = shipped_server.post("/explain", **upload(real_images.png(real_images.cifar10()[0][0])))
     assert r.status_code == 501, r.text
     assert "capserve export onnx" in r.json()["error"]  # the how-to-fix message
