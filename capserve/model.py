@@ -9,15 +9,22 @@ import torch
 from torch import Tensor, nn
 
 from capserve.configs import CapsuleLayerConfig, ModelConfig
-from capserve.layers import CapsuleLayer, PrimaryCapsules, resnet_backbone, simple_backbone
+from capserve.layers import (
+    CapsuleLayer,
+    EMCapsuleLayer,
+    EMPrimaryCapsules,
+    PrimaryCapsules,
+    resnet_backbone,
+    simple_backbone,
+)
 
 BACKBONES = {"resnet": resnet_backbone, "simple": simple_backbone}
 # per routing algorithm: the primary capsule layer and the routed capsule layer class. A routed layer is built as
 # ``Layer(spec, in_types, in_size, pose, pose_dim, layer_norm, activations)`` and runs all iterations of itself with
 # ``layer.route(children, iterations, keep_coefficients) -> (parents, coefficients (B, P, N, J) or None)``; only
 # attention layers also take one step at a time (``layer(children, parents)``), which the concurrent schedule needs.
-PRIMARY_CAPSULES: dict[str, type[nn.Module]] = {"attention": PrimaryCapsules}
-CAPSULE_LAYERS: dict[str, type[nn.Module]] = {"attention": CapsuleLayer}
+PRIMARY_CAPSULES: dict[str, type[nn.Module]] = {"attention": PrimaryCapsules, "em": EMPrimaryCapsules}
+CAPSULE_LAYERS: dict[str, type[nn.Module]] = {"attention": CapsuleLayer, "em": EMCapsuleLayer}
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,8 @@ def test_every_model_blocked_equals_unblocked_for_one_to_five_iterations(monkeyp
 
     Batch 3: the largest layer's 3·P rows split into blocks of 2 (the last one partial).
     """
+    if capserve.get_config(model_name).routing_algorithm != "attention":
+        pytest.skip("attention routing's blocks (EM's: tests/test_em_routing.py)")
     image_size = 16 if model_name.startswith("cifar") else 20
     model = tiny_model(model_name, routing=routing_order, image_size=image_size).double()
     x = tiny_input(model, 3).double()
