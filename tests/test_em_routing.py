@@ -234,3 +234,17 @@ def test_spread_loss_is_zero_once_the_margin_is_met_and_trains_the_activations()
     loss = spread_loss(logits, torch.tensor([1]), False, 1.0)  # the wrong class wins: push 1 up, 0 down
     loss.backward()
     assert loss.item() > 0 and logits.grad[0, 1] < 0 < logits.grad[0, 0]
+
+
+def test_torch_runtime_serves_an_em_model_and_explains_it(tmp_path):
+    """What the service calls: ``load_runtime`` predicts the eager logits and explains with the routing trace."""
+    from capserve.runtime import load_runtime
+
+    model = tiny_model("multimnist-em-small")
+    model.save(tmp_path / "em")
+    runtime = load_runtime(tmp_path / "em", backend="torch", iterations=3)
+    x = tiny_input(model, 2).cpu()
+    trace = model.cpu().trace(x, iterations=3)
+    np.testing.assert_allclose(runtime.predict(x.numpy()), trace.logits.numpy(), rtol=0, atol=1e-5)
+    explanation = runtime.explain(x.numpy())
+    np.testing.assert_allclose(explanation.part_whole, trace.part_whole().numpy(), rtol=0, atol=1e-6)
