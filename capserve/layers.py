@@ -94,6 +94,26 @@ class PrimaryCapsules(nn.Module):
         return self.norm(u)
 
 
+def group_children(u: Tensor, kind: str, kernel_size: int, stride: int) -> Tensor:
+    """Capsules grouped by the parent position they reach: (B, P, N, D), N in (kh, kw, I) order for conv (the
+    k×k window over all child types at stride s, no padding), all children in (H, W, I) order for fc (P = 1)."""
+    if kind == "fc":
+        return u.reshape(u.shape[0], 1, -1, u.shape[-1])  # (B, 1, N, D)
+    k, s = kernel_size, stride
+    windows = u.unfold(1, k, s).unfold(2, k, s)  # (B, h, w, I, D, k, k)
+    B, h, w, I, D = windows.shape[:5]
+    return windows.permute(0, 1, 2, 5, 6, 3, 4).reshape(B, h * w, k * k * I, D)  # (B, P, N, D)
+
+
+def parents_layout(parents: Tensor, u: Tensor, kind: str, kernel_size: int, stride: int) -> Tensor:
+    """Parents (B, P, J, D) of children ``u`` → the layer's output layout: (B, h, w, J, D) for conv, (B, J, D) fc."""
+    B, P, J, D = parents.shape
+    if kind == "fc":
+        return parents.view(B, J, D)  # (B, J, D)
+    side = (u.shape[1] - kernel_size) // stride + 1
+    return parents.view(B, side, P // side, J, D)  # (B, h, w, J, D)
+
+
 class CapsuleLayer(nn.Module):
     """Parents routed from children by inverted dot-product attention; a conv layer or a fully connected one.
 
@@ -136,21 +156,11 @@ class CapsuleLayer(nn.Module):
 
     def group_children(self, u: Tensor) -> Tensor:
         """Child poses grouped by the parent position they reach: (B, P, N, D)."""
-        u = self._activate(u)
-        if self.kind == "fc":
-            return u.reshape(u.shape[0], 1, -1, u.shape[-1])  # (B, 1, N, D)
-        k, s = self.kernel_size, self.stride
-        windows = u.unfold(1, k, s).unfold(2, k, s)  # (B, h, w, I, D, k, k)
-        B, h, w, I, D = windows.shape[:5]
-        return windows.permute(0, 1, 2, 5, 6, 3, 4).reshape(B, h * w, k * k * I, D)  # (B, P, N, D)
+        return group_children(self._activate(u), self.kind, self.kernel_size, self.stride)
 
     def _grid(self, parents: Tensor, u: Tensor) -> Tensor:
         """(B, P, J, D) → the layer's output layout."""
-        B, P, J, D = parents.shape
-        if self.kind == "fc":
-            return parents.view(B, J, D)  # (B, J, D)
-        side = (u.shape[1] - self.kernel_size) // self.stride + 1
-        return parents.view(B, side, P // side, J, D)  # (B, h, w, J, D)
+        return parents_layout(parents, u, self.kind, self.kernel_size, self.stride)
 
     def route(self, u: Tensor, iterations: int, keep_coefficients: bool = False) -> tuple[Tensor, Tensor | None]:
         """All ``iterations`` of this layer with its children fixed (the sequential schedule)."""
@@ -259,3 +269,94 @@ class DynamicCapsuleLayer(CapsuleLayer):
         """(B, C, D) class capsules → (B, C) logits whose sigmoid is each capsule's length |v_k|."""
         length = torch.linalg.vector_norm(parents, dim=-1).clamp(self.MIN_LENGTH, 1 - self.LENGTH_EPS)  # (B, C)
         return torch.log(length) - torch.log1p(-length)  # logit(|v_k|)
+
+
+# ------------------------------------------------------------------------------------- EM routing (Hinton et al. 2018)
+
+
+class EMPrimaryCapsules(nn.Module):
+    """Matrix capsules with activations (Hinton et al. 2018): a conv to types × D pose values and a conv to one
+    activation logit per type, the paper's "logistic unit".
+
+    Every EM capsule is packed as one vector of D + 1 values, the √D×√D pose (row-major) followed by the logit of its
+    activation (activation = sigmoid of the last value), so that poses flow between layers as one tensor like the
+    other routings' (see ``capserve.routing``'s EM section). ``layer_norm`` must be False: EM normalises nothing
+    (``ModelConfig`` refuses True for EM).
+
+    Shapes:
+        features (B, C, H, W) → capsules (B, H', W', I, D + 1).
+    """
+
+    def __init__(self, in_channels: int, types: int, pose_dim: int, kernel: int, stride: int, padding: int,
+                 layer_norm: bool = False):  # fmt: skip
+        super().__init__()
+        if layer_norm:
+            raise ValueError("EM capsules take no LayerNorm: set layer_norm=False")
+        self.types, self.pose_dim = types, pose_dim
+        self.pose = nn.Conv2d(in_channels, types * pose_dim, kernel, stride=stride, padding=padding)
+        self.activation = nn.Conv2d(in_channels, types, kernel, stride=stride, padding=padding)
+
+    def forward(self, features: Tensor) -> Tensor:
+        poses = self.pose(features)  # (B, I·D, H, W)
+        B, _, H, W = poses.shape
+        poses = poses.permute(0, 2, 3, 1).reshape(B, H, W, self.types, self.pose_dim)  # (B, H, W, I, D)
+        logits = self.activation(features).permute(0, 2, 3, 1).unsqueeze(-1)  # (B, H, W, I, 1)
+        return torch.cat([poses, logits], dim=-1)  # (B, H, W, I, D + 1)
+
+
+class EMCapsuleLayer(nn.Module):
+    """Parents routed from children by EM (Hinton et al. 2018); a conv capsule layer or a fully connected one.
+
+    Conv: the parent at (h, w) routes the k×k window (stride s, no padding) over all child types, one 4×4 transform
+    per (kh, kw, child type, parent type), shared over positions. FC from a grid (the paper's class capsules): one
+    transform per (child type, parent type), shared over positions, with coordinate addition (each vote's scaled
+    (row, column) centre added to the first two entries of its right-hand column). FC from an fc layer: one
+    transform per (child, parent). β_v and β_a: learned, one per parent type.
+
+    Args:
+        config: kind, parent types J, kernel and stride.
+        in_types: child capsule types I.
+        in_size: side of the child grid (0 when the children come from an fc layer).
+        pose: must be "matrix"; pose_dim D = X·X.
+        layer_norm, activations: must be False (the EM capsule has its own activation; ``ModelConfig`` checks).
+    Shapes:
+        capsules carry D + 1 values (pose, activation logit; see ``EMPrimaryCapsules``).
+        children: (B, H, W, I, D + 1) or (B, I, D + 1); parents: (B, h, w, J, D + 1) (conv) or (B, J, D + 1) (fc).
+    """
+
+    def __init__(self, config: CapsuleLayerConfig, in_types: int, in_size: int, pose: str, pose_dim: int,
+                 layer_norm: bool = False, activations: bool = False):  # fmt: skip
+        super().__init__()
+        if pose != "matrix" or layer_norm or activations:
+            raise ValueError("EM capsule layers need matrix poses, layer_norm=False and activations=False")
+        self.kind, self.kernel_size, self.stride = config.kind, config.kernel_size, config.stride
+        self.types = config.types
+        X = math.isqrt(pose_dim)
+        groups = config.kernel_size**2 * in_types if config.kind == "conv" else in_types
+        children = groups * max(in_size, 1) ** 2 if config.kind == "fc" else groups  # N per parent position
+        # std √N / X: 1/√X keeps each vote at its child's scale, and μ, the mean of N votes that disagree before
+        # training, shrinks it by up to √N (less once the E-step concentrates the assignments). Measured on the
+        # named configs, this keeps the poses' scale within 2× from layer to layer, where 1/√X shrinks it ~10×
+        # per layer and leaves the class capsules' coordinate addition (of scale 1) drowning the poses.
+        std = math.sqrt(children) / X
+        self.weight = nn.Parameter(torch.randn(groups, config.types, X, X) * std)  # (G, J, X, X)
+        self.beta_v = nn.Parameter(torch.zeros(config.types))  # (J,)
+        self.beta_a = nn.Parameter(torch.zeros(config.types))  # (J,)
+        offsets = routing.coordinate_offsets(in_size, in_types, pose_dim) if config.kind == "fc" and in_size else None
+        self.register_buffer("offsets", offsets, persistent=False)  # (N, D) or None: derived, not saved
+
+    def route(self, u: Tensor, iterations: int, keep_coefficients: bool = False) -> tuple[Tensor, Tensor | None]:
+        """All ``iterations`` of EM for this layer: parents and, with ``keep_coefficients``, the assignment
+        probabilities R (B, P, N, J) of the last M-step (uniform at one iteration)."""
+        children = group_children(u, self.kind, self.kernel_size, self.stride)  # (B, P, N, D + 1)
+        parents, coefficients = routing.em_route(
+            children, self.weight, self.beta_v, self.beta_a, iterations, self.offsets, keep_coefficients
+        )
+        return parents_layout(parents, u, self.kind, self.kernel_size, self.stride), coefficients
+
+    forward = route
+
+    @staticmethod
+    def class_logits(parents: Tensor) -> Tensor:
+        """(B, C, D + 1) class capsules → (B, C) logits of their activations (the paper's class score)."""
+        return parents[..., -1]

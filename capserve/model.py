@@ -10,14 +10,30 @@ from torch import Tensor, nn
 
 from capserve.cnn import CNN
 from capserve.configs import CapsuleLayerConfig, ModelConfig
-from capserve.layers import BACKBONES, CapsuleLayer, DynamicCapsuleLayer, PrimaryCapsules, SquashedPrimaryCapsules
+from capserve.layers import (
+    BACKBONES,
+    CapsuleLayer,
+    DynamicCapsuleLayer,
+    EMCapsuleLayer,
+    EMPrimaryCapsules,
+    PrimaryCapsules,
+    SquashedPrimaryCapsules,
+)
 
 # per routing algorithm: the primary capsule layer and the routed capsule layer class. A routed layer is built as
 # ``Layer(spec, in_types, in_size, pose, pose_dim, layer_norm, activations)`` and runs all iterations of itself with
 # ``layer.route(children, iterations, keep_coefficients) -> (parents, coefficients (B, P, N, J) or None)``; only
 # attention layers also take one step at a time (``layer(children, parents)``), which the concurrent schedule needs.
-PRIMARY_CAPSULES: dict[str, type[nn.Module]] = {"attention": PrimaryCapsules, "dynamic": SquashedPrimaryCapsules}
-CAPSULE_LAYERS: dict[str, type[nn.Module]] = {"attention": CapsuleLayer, "dynamic": DynamicCapsuleLayer}
+PRIMARY_CAPSULES: dict[str, type[nn.Module]] = {
+    "attention": PrimaryCapsules,
+    "dynamic": SquashedPrimaryCapsules,
+    "em": EMPrimaryCapsules,
+}
+CAPSULE_LAYERS: dict[str, type[nn.Module]] = {
+    "attention": CapsuleLayer,
+    "dynamic": DynamicCapsuleLayer,
+    "em": EMCapsuleLayer,
+}
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ vector: r = 1, X = D_in) and each row is mapped to Y values, so a parent pose ha
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -280,3 +281,189 @@ def dynamic_routing(children: Tensor, weight: Tensor, iterations: int,
     if not keep_coefficients:
         return new, None
     return new, torch.cat(coefficients).view(B, P, J, N).transpose(2, 3)  # (B, P, N, J)
+
+
+# ==================================================================================================================
+# EM routing (Hinton, Sabour & Frosst, "Matrix capsules with EM routing", ICLR 2018), the paper's comparison system.
+# ==================================================================================================================
+#
+# Each capsule is a √D×√D pose matrix M and an activation a ∈ (0, 1). Between N children and J parents at each of P
+# positions (a conv capsule layer's k×k window over all child types, or all children of an fc layer):
+#
+#     votes     V_ij = M_i W_ij                                  (√D×√D products, flattened to D values)
+#     M-step    R'_ij = R_ij a_i;  S_j = Σ_i R'_ij
+#               μ_j = Σ_i R'_ij V_ij / S_j;   σ²_j = Σ_i R'_ij (V_ij − μ_j)² / S_j + ε    (per pose entry h)
+#               cost_j = Σ_h (β_v + log σ_jh) · S_j;   a_j = sigmoid(λ_t (β_a − ĉost_j))
+#     E-step    log p_ij = −½ Σ_h [(V_ij,h − μ_j,h)² / σ²_j,h + log σ²_j,h + log 2π]
+#               R_ij = a_j p_ij / Σ_k a_k p_ik = softmax_j(log a_j + log p_ij)     (log space: p underflows)
+#
+# R starts uniform (1/J); each of the T iterations runs the M-step, and all but the last then run the E-step, so T = 1
+# is one M-step with uniform assignments. The parents' poses are μ_j and their activations a_j.
+#
+# Choices the paper leaves open, written down here (following www0wwwjs1/Matrix-Capsules-EM-Tensorflow, the
+# reproduction that reports the paper's smallNORB accuracy; yl-1993/Matrix-Capsules-EM-PyTorch is the other one read):
+# - ĉost_j is the cost standardised over the J parents of a position, (cost_j − mean_k cost_k) / std_k cost_k. The
+#   raw cost scales with the number of children and with log σ, i.e. with the poses' scale, which shrinks layer by
+#   layer (μ averages votes): with the raw cost a freshly initialised network's class activations are all
+#   sigmoid(≈60) = 1 and the spread loss has no gradient. PyTorch reproductions keep the raw cost and a tiny λ
+#   (yl-1993: λ fixed at 1e-3, "1e-2 to 1e-4 work alike"); the standardised one works at any depth and data size.
+# - λ_t = t (t = 1..T: 1, 2, 3, ...), rising each iteration, as theirs does for T <= 3 (λ from 1 to min(T, 3)).
+# - ε = 1e-6 floors σ² (a parent whose votes agree exactly keeps a finite log σ and 1/σ²).
+# - Each parent position routes its own window: a child in several overlapping windows is normalised per window,
+#   R_ij summing to 1 over the J parents of that position (as both reproductions do), which makes (batch × position)
+#   rows independent and lets the work go a block of rows at a time, like ``routing_step``.
+# - β_v and β_a are learned, one each per parent type, shared over positions; both start at 0.
+#
+# Activations travel as logits: a capsule is D pose values and one more, the logit of its activation, so that every
+# layer's output is one tensor (…, D + 1), the class logits are read off exactly (no logit of a rounded
+# probability), and log a_j in the E-step is ``logsigmoid``, finite for any logit.
+
+EM_VARIANCE_FLOOR = 1e-6
+EM_SHARE_EPS = 1e-8  # keeps μ, σ² finite for a parent that no active child reaches
+EM_COST_EPS = 1e-6  # added to the cost's variance over parents: a finite gradient where all costs are equal
+# Bytes of one block's votes: the M- and E-steps hold a few tensors of the votes' size at once.
+EM_BLOCK_BYTES = 32 * 2**20
+
+
+def em_inverse_temperature(iteration: int) -> float:
+    """λ_t for iteration t = 1, 2, ... (see the section's notes): λ_t = t."""
+    return float(iteration)
+
+
+def em_votes(poses: Tensor, weight: Tensor) -> Tensor:
+    """V_ij = M_i W_ij, with one transform per child type shared over the positions the children sit at.
+
+    Args:
+        poses: (n, N, D) child poses, N = M·G children in (M, G) order: M positions sharing the G transforms.
+        weight: (G, J, X, X) transforms, D = X·X (G = N, M = 1 when every child has its own).
+    Returns:
+        (n, J, N, D) votes, each parent's votes adjacent for the per-parent sums of the M-step.
+    """
+    n, N, D = poses.shape
+    G, J, X, _ = weight.shape
+    M = N // G
+    # one (n·M·X, X) @ (X, J·X) product per child type: the rows of every pose matrix at once, no zeros
+    u = poses.reshape(n * M, G, X, X).permute(1, 0, 2, 3).reshape(G, n * M * X, X)  # (G, nMX, X)
+    w = weight.permute(0, 2, 1, 3).reshape(G, X, J * X)  # (G, X, J·X)
+    v = torch.bmm(u, w)  # (G, nMX, J·X)
+    v = v.view(G, n, M, X, J, X).permute(1, 4, 2, 0, 3, 5)  # (n, J, M, G, X, X)
+    return v.reshape(n, J, N, D)  # (n, J, N, D)
+
+
+def coordinate_offsets(side: int, types: int, pose_dim: int) -> Tensor:
+    """The paper's coordinate addition for the class capsules: (N, D) offsets, N = side·side·types in (H, W, I) order.
+
+    "The scaled coordinate (row, column) of the centre of the receptive field of each capsule" is added to "the
+    first two elements of the right-hand column of its vote matrix": entries (0, X−1) and (1, X−1) of the X×X vote,
+    with the centres scaled to (0, 1) as (index + 0.5) / side.
+    """
+    X = math.isqrt(pose_dim)
+    centres = (torch.arange(side, dtype=torch.float32) + 0.5) / side  # (side,)
+    offsets = torch.zeros(side, side, types, X, X)
+    offsets[..., 0, X - 1] = centres.view(side, 1, 1)  # row
+    offsets[..., 1, X - 1] = centres.view(1, side, 1)  # column
+    return offsets.reshape(side * side * types, pose_dim)  # (N, D)
+
+
+def em_m_step(assignments: Tensor, activations: Tensor, votes: Tensor, beta_v: Tensor, beta_a: Tensor,
+              inverse_temperature: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The M-step: each parent's Gaussian fitted to the votes, weighted by assignment and child activation.
+
+    Args:
+        assignments: (n, J, N) R_ij.
+        activations: (n, 1, N) child activations a_i.
+        votes: (n, J, N, D).
+        beta_v, beta_a: (J,) per parent type.
+    Returns:
+        mean μ (n, J, D), variance σ² (n, J, D), squared deviations (V − μ)² (n, J, N, D) (the E-step reuses them),
+        and the parents' activation logits λ(β_a − ĉost) (n, J).
+    """
+    n, J, N, D = votes.shape
+    weighted = assignments * activations  # (n, J, N): R'_ij
+    share = weighted.sum(-1)  # (n, J): S_j
+    # normalised per parent, so that μ and σ² are two (1, N) @ (N, D) products per (row, parent)
+    coeff = (weighted / (share.unsqueeze(-1) + EM_SHARE_EPS)).view(n * J, 1, N)  # (nJ, 1, N)
+    mean = torch.bmm(coeff, votes.reshape(n * J, N, D)).view(n, J, 1, D)  # (n, J, 1, D)
+    deviations = (votes - mean).square()  # (n, J, N, D)
+    variance = torch.bmm(coeff, deviations.view(n * J, N, D)).view(n, J, D) + EM_VARIANCE_FLOOR  # (n, J, D)
+    # cost_j = Σ_h (β_v + log σ_jh) · S_j, with log σ = ½ log σ²; standardised over the parents (see the notes)
+    cost = (D * beta_v + 0.5 * variance.log().sum(-1)) * share  # (n, J)
+    spread = (cost.var(dim=1, unbiased=False, keepdim=True) + EM_COST_EPS).sqrt()  # (n, 1)
+    standardised = (cost - cost.mean(dim=1, keepdim=True)) / spread  # (n, J)
+    logits = inverse_temperature * (beta_a - standardised)  # (n, J)
+    return mean.view(n, J, D), variance, deviations, logits
+
+
+def em_e_step(deviations: Tensor, variance: Tensor, logits: Tensor) -> Tensor:
+    """The E-step: R_ij = a_j p_ij / Σ_k a_k p_ik, in log space.
+
+    Args:
+        deviations: (n, J, N, D) (V_ij − μ_j)²; variance: (n, J, D) σ²_j; logits: (n, J) parent activation logits.
+    Returns:
+        (n, J, N) assignments R_ij, summing to 1 over J.
+    """
+    n, J, N, D = deviations.shape
+    # Σ_h (V − μ)²_h / σ²_h: per (row, parent) an (N, D) @ (D, 1) product
+    distance = torch.bmm(deviations.view(n * J, N, D), variance.reciprocal().view(n * J, D, 1)).view(n, J, N)
+    log_norm = variance.log().sum(-1) + D * math.log(2 * math.pi)  # (n, J): Σ_h log(2π σ²_h)
+    log_p = -0.5 * (distance + log_norm.unsqueeze(-1))  # (n, J, N)
+    return torch.softmax(F.logsigmoid(logits).unsqueeze(-1) + log_p, dim=1)  # (n, J, N): over parents
+
+
+def em_routing(votes: Tensor, activations: Tensor, beta_v: Tensor, beta_a: Tensor,
+               iterations: int) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """T iterations of EM between N children and J parents, for n independent rows.
+
+    Args:
+        votes: (n, J, N, D); activations: (n, N) child activations a_i in [0, 1]; beta_v, beta_a: (J,).
+    Returns:
+        parent poses μ (n, J, D), parent activation logits (n, J), and the assignments R (n, J, N) of the last
+        M-step (uniform 1/J when T = 1).
+    """
+    n, J, N, _ = votes.shape
+    assignments = votes.new_full((n, J, N), 1.0 / J)  # (n, J, N)
+    a = activations.unsqueeze(1)  # (n, 1, N)
+    for t in range(1, iterations + 1):
+        mean, variance, deviations, logits = em_m_step(assignments, a, votes, beta_v, beta_a, em_inverse_temperature(t))
+        if t < iterations:
+            assignments = em_e_step(deviations, variance, logits)
+    return mean, logits, assignments
+
+
+def em_route(children: Tensor, weight: Tensor, beta_v: Tensor, beta_a: Tensor, iterations: int,
+             offsets: Tensor | None = None, keep_coefficients: bool = False
+             ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """A capsule layer's EM routing, a block of (batch × position) rows at a time.
+
+    Args:
+        children: (B, P, N, D + 1) child capsules: D pose values, then the activation logit.
+        weight: (G, J, X, X) transforms, G dividing N (see ``em_votes``).
+        beta_v, beta_a: (J,).
+        offsets: (N, D) added to every parent's votes (coordinate addition), or None.
+        keep_coefficients: also return the assignments.
+    Returns:
+        parents: (B, P, J, D + 1) poses μ_j and activation logits.
+        coefficients: (B, P, N, J) assignments R_ij of the last M-step, summing to 1 over J, or None.
+    """
+    B, P, N, E = children.shape
+    J, D = weight.shape[1], E - 1
+    rows = B * P
+    u = children.reshape(rows, N, E)  # (BP, N, D + 1)
+    if torch.compiler.is_exporting():
+        blocks = [(0, rows)]  # an exported graph takes any batch: one block, no loop over a symbolic size
+    else:
+        block = max(1, EM_BLOCK_BYTES // (N * J * D * children.element_size()))  # rows whose votes fit
+        blocks = [(start, min(start + block, rows)) for start in range(0, rows, block)]
+    parents, coefficients = [], []
+    for start, stop in blocks:
+        votes = em_votes(u[start:stop, :, :D], weight)  # (n, J, N, D)
+        if offsets is not None:
+            votes = votes + offsets  # (n, J, N, D)
+        mean, logits, assignments = em_routing(votes, torch.sigmoid(u[start:stop, :, D]), beta_v, beta_a, iterations)
+        parents.append(torch.cat([mean, logits.unsqueeze(-1)], dim=-1))  # (n, J, D + 1)
+        if keep_coefficients:
+            coefficients.append(assignments.transpose(1, 2))  # (n, N, J)
+    out = torch.cat(parents).view(B, P, J, E)  # (B, P, J, D + 1)
+    if not keep_coefficients:
+        return out, None
+    return out, torch.cat(coefficients).view(B, P, N, J)  # (B, P, N, J)

@@ -64,7 +64,7 @@ class UnrolledExplain(Unrolled):
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
         poses, coefficients = self.model._route(images, self.iterations, keep_coefficients=True)
-        logits = self.model._logits(poses[-1])  # (B, C), whatever the routing
+        logits = self.model._logits(poses[-1])  # (B, C), whatever the routing's read-out
         return logits, part_whole(poses, coefficients)  # (B, C), (B, C, H, W, I)
 
 

@@ -58,6 +58,12 @@ def test_logits_shape_for_every_batch_size(model_name):
             assert model(tiny_input(model, batch)).shape == (batch, model.config.num_classes)
 
 
+# EM's activations standardise each position's costs over its parents, which amplifies float32 rounding that differs
+# between batch sizes: measured up to 1.4e-4 on cifar100-resnet-em at T = 2 (logits up to ~4). The float64 test below
+# shows there is no real dependence.
+FLOAT32_BATCH_TOLERANCE = {"em": 5e-4}
+
+
 @pytest.mark.parametrize("iterations", [1, 2])
 def test_a_sample_does_not_depend_on_its_batch(model_name, iterations):
     model = tiny_model(model_name)
@@ -65,7 +71,8 @@ def test_a_sample_does_not_depend_on_its_batch(model_name, iterations):
     with torch.no_grad():
         together = model(x, iterations=iterations)
         alone = torch.cat([model(x[i : i + 1], iterations=iterations) for i in range(8)])
-    assert (together - alone).abs().max().item() <= 1e-5
+    tolerance = FLOAT32_BATCH_TOLERANCE.get(model.config.routing_algorithm, 1e-5)
+    assert (together - alone).abs().max().item() <= tolerance
 
 
 def test_batch_independence_is_exact_up_to_rounding(model_name):
