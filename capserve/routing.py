@@ -96,20 +96,15 @@ def uniform_conv_step(grid: Tensor, weight: Tensor, kernel_size: int, stride: in
     return normalize(s / J)
 
 
-def _block_weight(weight: Tensor, rows: int) -> Tensor:
-    """(N, J, X, Y) → (N, r·X, J·r·Y): each child's map from its whole pose to every parent's whole pose.
+def _vote_weight(weight: Tensor) -> Tensor:
+    """(N, J, X, Y) → (N, X, Y·J): each child's map from one pose row to that row of every parent's vote.
 
-    For matrix poses (r > 1) this is block-diagonal over the r pose rows, so that one product per child gives
-    the votes with each vote's D_out values adjacent, the layout both readers of the votes need; the zeros cost
-    r× the multiply-adds of the vote product, which stays bound by writing the votes out.
+    One product per child of its r pose rows (r, X) with this gives its votes as (r, Y, J), parents innermost: the
+    layout in which the agreement and the weighted sum are plain elementwise products and sums (see
+    ``routing_step``). Only the X·Y·J useful weights take part: no block-diagonal zeros for matrix poses.
     """
     N, J, X, Y = weight.shape
-    w = weight.permute(0, 2, 1, 3)  # (N, X, J, Y)
-    if rows == 1:
-        return w.reshape(N, X, J * Y)  # (N, X, JY)
-    # δ(ρ', ρ) W_ij[x, y] at [i, ρ', x, j, ρ, y]: the r copies of W_ij put on a diagonal (zeros elsewhere)
-    w = torch.diag_embed(w[..., None].expand(N, X, J, Y, rows), dim1=1, dim2=4)  # (N, r, X, J, r, Y)
-    return w.reshape(N, rows * X, J * rows * Y)  # (N, rX, J·D_out)
+    return weight.permute(0, 2, 3, 1).reshape(N, X, Y * J)  # (N, X, YJ)
 
 
 def block_rows(row_bytes: int) -> int:
@@ -128,43 +123,43 @@ def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: N
         keep_coefficients: also return the routing coefficients (B·P·N·J values: as many as the votes ÷ D).
     Returns:
         parents: (B, P, J, D_out) updated parent poses.
-        coefficients: (B, P, N, J) routing probabilities r_ij, summing to 1 over J (a transposed view), or None.
+        coefficients: (B, P, N, J) routing probabilities r_ij, summing to 1 over J, or None.
     """
     B, P, N, D = children.shape
     J, Y = weight.shape[1], weight.shape[3]
     r = _rows(children, weight)
     D_out, rows = r * Y, B * P
     u = children.reshape(rows, N, D)  # (BP, N, D)
-    w = _block_weight(weight, r)  # (N, D, J·D_out)
-    # a_ij = <p_j, v_ij> / √D, with the scale folded into the (small) parents
-    q = parents.reshape(rows * J, 1, D_out) * D_out**-0.5  # (BPJ, 1, D_out)
+    w = _vote_weight(weight)  # (N, X, Y·J)
+    # a_ij = <p_j, v_ij> / √D, with the scale folded into the (small) parents, laid out like a vote: (D_out, J)
+    q = (parents.reshape(rows, J, D_out) * D_out**-0.5).transpose(1, 2).contiguous()  # (BP, D_out, J)
+    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (children, weight, parents))
     if torch.compiler.is_exporting():
         # an exported graph takes any batch: one block of all rows, no Python loop over a symbolic size
-        blocks, vote_buffer = [(0, rows)], None
+        blocks, buffers = [(0, rows)], None
     else:
         block = block_rows(N * J * D_out * children.element_size())
         blocks = [(start, min(start + block, rows)) for start in range(0, rows, block)]
         # autograd keeps every block's votes for the backward pass, and autocast does not cast ``out=`` products,
-        # so only plain inference reuses one buffer
-        recording = torch.is_grad_enabled() and any(t.requires_grad for t in (children, weight, parents))
-        reuse = not recording and not torch.is_autocast_enabled(children.device.type)
-        vote_buffer = children.new_empty(N * min(block, rows) * J * D_out) if reuse else None
+        # so only plain inference reuses two buffers (votes, and their products with the parents) and works in place
+        inplace = not recording and not torch.is_autocast_enabled(children.device.type)
+        size = N * min(block, rows) * J * D_out
+        buffers = (children.new_empty(size), children.new_empty(size)) if inplace else None
     sums, coefficients = [], []
     for start, stop in blocks:
-        n = stop - start
-        u_block = u[start:stop].transpose(0, 1).contiguous()  # (N, n, D): a small copy the product reads fast
-        out = None if vote_buffer is None else vote_buffer[: N * n * J * D_out].view(N, n, J * D_out)
-        v = torch.bmm(u_block, w, out=out)  # (N, n, J·D_out): one product per child
-        # the votes seen per (row, j): N rows of D values, strided over the leading N; a view, never a copy
-        v = v.view(N, n * J, D_out).transpose(0, 1)  # (nJ, N, D_out)
-        # (1, D_out) @ (D_out, N) per (row, j): parents first, so the logits come out (n, J, N) for the softmax
-        logits = torch.bmm(q[start * J : stop * J], v.transpose(1, 2)).view(n, J, N)  # (n, J, N)
-        c = torch.softmax(logits, dim=1)  # (n, J, N): over parents
-        # Σ_i r_ij v_ij: per (row, j) a (1, N) @ (N, D_out) product reading the votes in place
-        sums.append(torch.bmm(c.view(n * J, 1, N), v))  # (nJ, 1, D_out)
+        n, size = stop - start, N * (stop - start) * J * D_out
+        u_block = u[start:stop].transpose(0, 1).reshape(N, n * r, -1)  # (N, n·r, X): each child's pose rows
+        out = None if buffers is None else buffers[0][:size].view(N, n * r, Y * J)
+        v = torch.bmm(u_block, w, out=out).view(N, n, D_out, J)  # (N, n, D_out, J): one product per child
+        q_block = q[start:stop].to(v.dtype)  # (n, D_out, J)
+        products = torch.mul(v, q_block) if buffers is None else torch.mul(v, q_block, out=buffers[1][:size].view_as(v))
+        c = torch.softmax(products.sum(2), dim=2).to(v.dtype)  # (N, n, J): over parents
+        # Σ_i r_ij v_ij: scale each vote by its coefficient, then sum over the children (the outermost dim)
+        weighted = v * c[:, :, None] if buffers is None else v.mul_(c[:, :, None])  # (N, n, D_out, J)
+        sums.append(weighted.sum(0))  # (n, D_out, J)
         if keep_coefficients:
-            coefficients.append(c)
-    new = normalize(torch.cat(sums).view(B, P, J, D_out))  # (B, P, J, D_out)
+            coefficients.append(c.transpose(0, 1))  # (n, N, J)
+    new = normalize(torch.cat(sums).transpose(1, 2).reshape(B, P, J, D_out))  # (B, P, J, D_out)
     if not keep_coefficients:
         return new, None
-    return new, torch.cat(coefficients).view(B, P, J, N).transpose(2, 3)  # (B, P, N, J)
+    return new, torch.cat(coefficients).view(B, P, N, J)  # (B, P, N, J)
