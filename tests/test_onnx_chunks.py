@@ -34,7 +34,7 @@ def recorded_vote_bytes(model: capserve.CapsNet, iterations: int, monkeypatch) -
     step = routing.routing_step
 
     def recording_step(children, weight, parents, *args, **kwargs):
-        B, P, N, _ = children.shape
+        _, P, N, _ = children.shape
         routed[weight.data_ptr()] = P * N * weight.shape[1] * parents.shape[-1] * 4
         return step(children, weight, parents, *args, **kwargs)
 
