@@ -16,11 +16,14 @@ gathering the k×k windows.
 Later steps need every vote: the agreement is a three-way contraction (children, weights, parents), and any
 two-operand order builds a tensor of D values per (child, parent, position), far too big to hold whole (7 GB
 for the first conv capsule layer of cifar10-resnet at batch 250). ``routing_step`` therefore works through the
-(batch × position) rows a block at a time: a block's votes are written into one buffer, reused by every block,
-that is small enough to stay in cache (``VOTE_BLOCK_BYTES``), then read in place twice: the agreement and the
-weighted sum are both batched matrix products over (rows·J) with the children as the inner dimension. Rows are
-independent (the softmax is over parents, per child and row), so the blocks give the same numbers as one big
-block. Memory for a step is the block buffer plus its inputs and outputs, whatever the batch and T.
+(batch × position) rows a block at a time, in two buffers reused by every block and small enough to stay in cache
+(``VOTE_BLOCK_BYTES`` each). A block's votes come from one product per child of its r pose rows (r, X) with its
+(X, Y·J) weights, laid out (children, rows, D_out, J) with the parents innermost; in that layout the agreement is
+an elementwise product with the parents and a sum over D_out, the softmax runs over the innermost dim, and the
+weighted sum scales the votes in place and sums over the children, the outermost dim. Each of those passes reads
+the block where it lies, with unit stride over J, while it is still in cache. Rows are independent (the softmax is
+over parents, per child and row), so the blocks give the same numbers as one big block. Memory for a step is the
+two buffers plus its inputs and outputs, whatever the batch and T.
 
 Weights have shape (N, J, X, Y): a child pose of D values is viewed as r rows of X values (matrix: r = X = √D;
 vector: r = 1, X = D_in) and each row is mapped to Y values, so a parent pose has D_out = r·Y values.
@@ -36,12 +39,13 @@ from torch import Tensor
 
 Normalize = Callable[[Tensor], Tensor]
 
-# Size of one block of votes in bytes: L3-sized, so that the block is written and read twice while it is still in
-# cache, never page-faulted in fresh, yet large enough that the handful of products per block stay big. Measured
-# on a 2-core EPYC (32 MB L3) for the second conv capsule layer at batch 64, each block size against the unblocked
-# step in one interleaved run: 4, 8, 16, 32, 64 MB took 0.54, 0.45, 0.39, 0.45, 0.45× its time on a quiet
-# machine, and 1.1, 0.65, 0.53, 0.38, 0.39× with other work on the cores (fewer, larger products suffer less).
-VOTE_BLOCK_BYTES = 32 * 2**20
+# Size of one block of votes in bytes (the step holds two: the votes and their products with the parents). Small,
+# so that each of the passes over a block reads it from cache: for the second conv capsule layer of cifar10-resnet
+# at batch 64 (one thread, CPU time, the cores shared with other work), 2, 4, 8, 16, 32 MB blocks took 0.54, 0.69,
+# 0.93, 1.05, 1.02× the time of the former step (block-diagonal weights, 32 MB blocks). Two threads halve each
+# pass, hence 4 MB. Every block costs a handful of parallel regions, so on oversubscribed cores (far more runnable
+# threads than cores) small blocks wait at many more thread barriers: there, fewer, larger blocks do better.
+VOTE_BLOCK_BYTES = 4 * 2**20
 
 
 def _rows(children: Tensor, weight: Tensor) -> int:
