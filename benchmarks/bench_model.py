@@ -25,9 +25,10 @@ Peak memory is the RSS high-water mark (``VmHWM``, else ``ru_maxrss``) of a fres
 model and runs two forward passes of one (batch, T) configuration; "base" is the same
 process's high-water mark just before the first forward pass (interpreter, torch, weights, input).
 ``--peak B T`` adds such rows without timing (e.g. batch 250 at T = 5); ``--onnx-peak B T`` exports the model
-with T unrolled (``capserve.export.onnx``, in this process) and measures a fresh subprocess that loads the file
-into an ONNX Runtime CPU session and runs it twice on a batch of B ("base": after loading numpy and
-onnxruntime, before the session).
+with T unrolled (``capserve.export.onnx``, in this process) and measures fresh subprocesses that open the file with
+capserve's ONNX Runtime wrapper (CPU) and run it twice on a batch of B ("base": after importing it, before the
+session): whole batches with its memory arena on and off, and the chunks its default memory budget chooses; a
+further subprocess times the three interleaved (median ms per batch of B).
 """
 
 from __future__ import annotations
@@ -154,46 +155,91 @@ def _child(name: str, batch: int, iterations: int | None, threads: int) -> None:
     print(json.dumps({"base": base, "peak": peak}))
 
 
-def onnx_peak_rss_mb(name: str, batch: int, iterations: int | None, threads: int) -> tuple[float, float]:
-    """(base, peak) RSS high-water marks in MB of a fresh process running ONNX Runtime on an export at T."""
-    import tempfile
+# ONNX Runtime variants measured per --onnx-peak row: (label, memory budget in MB or None for whole batches, arena)
+ONNX_VARIANTS = (("whole batch", None, True), ("whole, no arena", None, False), ("chunks", "default", True))
 
+
+def export_for_peak(name: str, iterations: int, folder: str) -> str:
     from capserve.export.onnx import export_onnx
 
     import capserve
 
     torch.manual_seed(0)
     model = capserve.create_model(name).eval()
-    with tempfile.TemporaryDirectory() as folder:
-        path = export_onnx(model, f"{folder}/model.onnx", iterations)
-        command = [sys.executable, __file__, "--onnx-child", str(path), str(batch), str(threads)]
-        result = subprocess.run(command, capture_output=True, text=True, check=True)
-    data = json.loads(result.stdout.strip().splitlines()[-1])
-    return data["base"], data["peak"]
+    return str(export_onnx(model, f"{folder}/model.onnx", iterations))
 
 
-def _onnx_child(path: str, batch: int, threads: int) -> None:
+def onnx_peak_rss_mb(path: str, batch: int, threads: int, budget, arena: bool) -> dict:
+    """Base and peak RSS high-water marks (MB) of a fresh process running capserve's ONNX Runtime wrapper twice."""
+    command = [sys.executable, __file__, "--onnx-child", path, str(batch), str(threads), str(budget), str(arena)]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _onnx_runtime(path: str, threads: int, budget: str, arena: bool):
+    from capserve.runtime.onnx_backend import MEMORY_BUDGET_MB, OnnxRuntime
+
+    mb = {"None": None, "default": MEMORY_BUDGET_MB}.get(budget, budget)
+    return OnnxRuntime(path, threads=threads, memory_arena=arena, memory_budget_mb=None if mb is None else float(mb))
+
+
+def _onnx_child(path: str, batch: int, threads: int, budget: str, arena: bool) -> None:
     import numpy as np
-    import onnxruntime as ort
+
+    import capserve.runtime.onnx_backend  # noqa: F401  (torch and onnxruntime loaded before "base")
 
     base = _high_water_mb()
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    shape = session.get_inputs()[0].shape
-    x = np.random.default_rng(0).standard_normal((batch, *shape[1:]), dtype=np.float32)
+    runtime = _onnx_runtime(path, threads, budget, arena)
+    x = np.random.default_rng(0).standard_normal((batch, *runtime.metadata.input_shape), dtype=np.float32)
     for _ in range(2):
-        session.run(None, {session.get_inputs()[0].name: x})
-    print(json.dumps({"base": base, "peak": _high_water_mb(), "providers": session.get_providers()}))
+        runtime.predict(x)
+    print(json.dumps({"base": base, "peak": _high_water_mb(), "chunk": runtime.chunk_size}))
 
 
-def print_peak_rows(name: str, eager: list[tuple[int, int]], onnx: list[tuple[int, int]], threads: int) -> None:
-    """Peak-memory rows alone (each a fresh subprocess), eager PyTorch and ONNX Runtime."""
-    print(f"{'model':<18}{'runtime':<13}{'B':>5}{'T':>3}{'base MB':>9}{'peak MB':>9}{'peak - base':>13}")
-    for runtime, rows, measure in (("torch eager", eager, peak_rss_mb), ("onnxruntime", onnx, onnx_peak_rss_mb)):
-        for batch, T in rows:
-            base, peak = measure(name, batch, T, threads)
-            print(f"{name:<18}{runtime:<13}{batch:>5}{T:>3}{base:>9.0f}{peak:>9.0f}{peak - base:>13.0f}")
+def _onnx_timing_child(path: str, batch: int, threads: int, repeats: int) -> None:
+    """Median ms per batch of every variant, interleaved round by round in this one process."""
+    import numpy as np
+
+    runtimes = {label: _onnx_runtime(path, threads, str(budget), arena) for label, budget, arena in ONNX_VARIANTS}
+    x = np.random.default_rng(0).standard_normal((batch, *runtimes["chunks"].metadata.input_shape), dtype=np.float32)
+    times: dict = {label: [] for label in runtimes}
+    for runtime in runtimes.values():
+        runtime.predict(x)  # warm-up
+    for _ in range(repeats):
+        for label, runtime in runtimes.items():
+            start = time.perf_counter()
+            runtime.predict(x)
+            times[label].append(time.perf_counter() - start)
+    print(json.dumps({label: statistics.median(t) * 1e3 for label, t in times.items()}))
+
+
+def print_peak_rows(name: str, eager: list[tuple[int, int]], onnx: list[tuple[int, int]], threads: int,
+                    repeats: int) -> None:  # fmt: skip
+    """Peak-memory rows alone (each a fresh subprocess), eager PyTorch and ONNX Runtime (capserve's wrapper: whole
+    batches with and without its memory arena, and chunks from its default memory budget), with ONNX Runtime's
+    median ms per batch, the variants interleaved in one process."""
+    import tempfile
+
+    print(
+        f"{'model':<18}{'runtime':<34}{'B':>5}{'T':>3}{'base MB':>9}{'peak MB':>9}{'peak - base':>13}{'ms/batch':>10}"
+    )
+    for batch, T in eager:
+        base, peak = peak_rss_mb(name, batch, T, threads)
+        print(f"{name:<18}{'torch eager':<34}{batch:>5}{T:>3}{base:>9.0f}{peak:>9.0f}{peak - base:>13.0f}")
+    for batch, T in onnx:
+        with tempfile.TemporaryDirectory() as folder:
+            path = export_for_peak(name, T, folder)
+            command = [sys.executable, __file__, "--onnx-timing", path, str(batch), str(threads), str(repeats)]
+            result = subprocess.run(command, capture_output=True, text=True, check=True)
+            ms = json.loads(result.stdout.strip().splitlines()[-1])
+            for label, budget, arena in ONNX_VARIANTS:
+                data = onnx_peak_rss_mb(path, batch, threads, budget, arena)
+                if data["chunk"] is not None and data["chunk"] < batch:
+                    label = f"{label} of {data['chunk']}"
+                base, peak = data["base"], data["peak"]
+                runtime = f"onnxruntime, {label}"
+                print(f"{name:<18}{runtime:<34}{batch:>5}{T:>3}{base:>9.0f}{peak:>9.0f}{peak - base:>13.0f}"
+                      f"{ms[label.split(' of ')[0]]:>10.0f}")  # fmt: skip
 
 
 def main() -> None:
@@ -223,15 +269,20 @@ def main() -> None:
         help="also measure ONNX Runtime's peak memory at batch B for an export at T (repeatable)",
     )
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
-    parser.add_argument("--onnx-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--onnx-child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--onnx-timing", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         name, batch, iterations, threads = args.child
         _child(name, int(batch), None if iterations == "None" else int(iterations), int(threads))
         return
     if args.onnx_child:
-        path, batch, threads = args.onnx_child
-        _onnx_child(path, int(batch), int(threads))
+        path, batch, threads, budget, arena = args.onnx_child
+        _onnx_child(path, int(batch), int(threads), budget, arena == "True")
+        return
+    if args.onnx_timing:
+        path, batch, threads, repeats = args.onnx_timing
+        _onnx_timing_child(path, int(batch), int(threads), int(repeats))
         return
 
     import capserve
@@ -273,7 +324,8 @@ def main() -> None:
             if T == 3 and batch >= 8:
                 print(f"{name}: whole / backbone at batch {batch}, T = 3: {ratio:.2f} (target <= 1.5, moonshot 1.2)")
         if args.peak or args.onnx_peak:
-            print_peak_rows(name, [tuple(p) for p in args.peak], [tuple(p) for p in args.onnx_peak], args.threads)
+            peaks, onnx_peaks = [tuple(p) for p in args.peak], [tuple(p) for p in args.onnx_peak]
+            print_peak_rows(name, peaks, onnx_peaks, args.threads, args.repeats or 5)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ Latency: median milliseconds per batch over ``--repeats`` rounds under ``torch.i
 Runtime (CPU, the export of ``capserve.export.onnx`` with T unrolled) timed round-robin within each model
 (``bench_runtime.interleaved_medians``), so that load from other processes falls on all of them alike. Peak memory:
 the RSS high-water mark of a fresh process that builds the model (or opens the ONNX file) and runs the batch twice
-(``bench_model.peak_rss_mb`` / ``onnx_peak_rss_mb``), and its rise over the same process's mark before the first run
+(``bench_model.peak_rss_mb`` / ``onnx_peak_rss_mb``, the latter through capserve's ONNX Runtime wrapper with its default
+memory budget, as served), and its rise over the same process's mark before the first run
 (Δ: activations and workspace, without the interpreter, the libraries and the weights).
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_model import onnx_peak_rss_mb, peak_rss_mb
+from bench_model import export_for_peak, onnx_peak_rss_mb, peak_rss_mb
 from bench_runtime import interleaved_medians
 from capserve.export.onnx import export_onnx
 
@@ -110,7 +111,10 @@ def main() -> None:
                     base, peak = peak_rss_mb(name, args.batch, T, args.threads)
                     eager_mb = f"{peak:.0f} ({peak - base:+.0f})"
                     if not args.no_onnx:
-                        base, peak = onnx_peak_rss_mb(name, args.batch, T, args.threads)
+                        path = export_for_peak(name, T, str(Path(tmp) / f"{name}-{T}-peak"))
+                        # capserve's ONNX Runtime wrapper as served: its default memory budget ("default")
+                        peak_data = onnx_peak_rss_mb(path, args.batch, args.threads, "default", True)
+                        base, peak = peak_data["base"], peak_data["peak"]
                         ort_mb = f"{peak:.0f} ({peak - base:+.0f})"
                 print(f"| {routing} | {name} | {parameters:,} | {'—' if T is None else T} | {eager_ms} | {ort_ms} | "
                       f"{eager_mb} | {ort_mb} |", flush=True)  # fmt: skip

@@ -16,11 +16,14 @@ gathering the k×k windows.
 Later steps need every vote: the agreement is a three-way contraction (children, weights, parents), and any
 two-operand order builds a tensor of D values per (child, parent, position), far too big to hold whole (7 GB
 for the first conv capsule layer of cifar10-resnet at batch 250). ``routing_step`` therefore works through the
-(batch × position) rows a block at a time: a block's votes are written into one buffer, reused by every block,
-that is small enough to stay in cache (``VOTE_BLOCK_BYTES``), then read in place twice: the agreement and the
-weighted sum are both batched matrix products over (rows·J) with the children as the inner dimension. Rows are
-independent (the softmax is over parents, per child and row), so the blocks give the same numbers as one big
-block. Memory for a step is the block buffer plus its inputs and outputs, whatever the batch and T.
+(batch × position) rows a block at a time, in two buffers reused by every block and small enough to stay in cache
+(``VOTE_BLOCK_BYTES`` each). A block's votes come from one product per child of its r pose rows (r, X) with its
+(X, Y·J) weights, laid out (children, rows, D_out, J) with the parents innermost; in that layout the agreement is
+an elementwise product with the parents and a sum over D_out, the softmax runs over the innermost dim, and the
+weighted sum scales the votes in place and sums over the children, the outermost dim. Each of those passes reads
+the block where it lies, with unit stride over J, while it is still in cache. Rows are independent (the softmax is
+over parents, per child and row), so the blocks give the same numbers as one big block. Memory for a step is the
+two buffers plus its inputs and outputs, whatever the batch and T.
 
 Weights have shape (N, J, X, Y): a child pose of D values is viewed as r rows of X values (matrix: r = X = √D;
 vector: r = 1, X = D_in) and each row is mapped to Y values, so a parent pose has D_out = r·Y values.
@@ -37,12 +40,13 @@ from torch import Tensor
 
 Normalize = Callable[[Tensor], Tensor]
 
-# Size of one block of votes in bytes: L3-sized, so that the block is written and read twice while it is still in
-# cache, never page-faulted in fresh, yet large enough that the handful of products per block stay big. Measured
-# on a 2-core EPYC (32 MB L3) for the second conv capsule layer at batch 64, each block size against the unblocked
-# step in one interleaved run: 4, 8, 16, 32, 64 MB took 0.54, 0.45, 0.39, 0.45, 0.45× its time on a quiet
-# machine, and 1.1, 0.65, 0.53, 0.38, 0.39× with other work on the cores (fewer, larger products suffer less).
-VOTE_BLOCK_BYTES = 32 * 2**20
+# Size of one block of votes in bytes (the step holds two: the votes and their products with the parents). Small,
+# so that each of the passes over a block reads it from cache: for the second conv capsule layer of cifar10-resnet
+# at batch 64 (one thread, CPU time, the cores shared with other work), 2, 4, 8, 16, 32 MB blocks took 0.54, 0.69,
+# 0.93, 1.05, 1.02× the time of the former step (block-diagonal weights, 32 MB blocks). Two threads halve each
+# pass, hence 4 MB. Every block costs a handful of parallel regions, so on oversubscribed cores (far more runnable
+# threads than cores) small blocks wait at many more thread barriers: there, fewer, larger blocks do better.
+VOTE_BLOCK_BYTES = 4 * 2**20
 
 
 def _rows(children: Tensor, weight: Tensor) -> int:
@@ -97,20 +101,15 @@ def uniform_conv_step(grid: Tensor, weight: Tensor, kernel_size: int, stride: in
     return normalize(s / J)
 
 
-def _block_weight(weight: Tensor, rows: int) -> Tensor:
-    """(N, J, X, Y) → (N, r·X, J·r·Y): each child's map from its whole pose to every parent's whole pose.
+def _vote_weight(weight: Tensor) -> Tensor:
+    """(N, J, X, Y) → (N, X, Y·J): each child's map from one pose row to that row of every parent's vote.
 
-    For matrix poses (r > 1) this is block-diagonal over the r pose rows, so that one product per child gives
-    the votes with each vote's D_out values adjacent, the layout both readers of the votes need; the zeros cost
-    r× the multiply-adds of the vote product, which stays bound by writing the votes out.
+    One product per child of its r pose rows (r, X) with this gives its votes as (r, Y, J), parents innermost: the
+    layout in which the agreement and the weighted sum are plain elementwise products and sums (see
+    ``routing_step``). Only the X·Y·J useful weights take part: no block-diagonal zeros for matrix poses.
     """
     N, J, X, Y = weight.shape
-    w = weight.permute(0, 2, 1, 3)  # (N, X, J, Y)
-    if rows == 1:
-        return w.reshape(N, X, J * Y)  # (N, X, JY)
-    # δ(ρ', ρ) W_ij[x, y] at [i, ρ', x, j, ρ, y]: the r copies of W_ij put on a diagonal (zeros elsewhere)
-    w = torch.diag_embed(w[..., None].expand(N, X, J, Y, rows), dim1=1, dim2=4)  # (N, r, X, J, r, Y)
-    return w.reshape(N, rows * X, J * rows * Y)  # (N, rX, J·D_out)
+    return weight.permute(0, 2, 3, 1).reshape(N, X, Y * J)  # (N, X, YJ)
 
 
 def block_rows(row_bytes: int) -> int:
@@ -129,46 +128,46 @@ def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: N
         keep_coefficients: also return the routing coefficients (B·P·N·J values: as many as the votes ÷ D).
     Returns:
         parents: (B, P, J, D_out) updated parent poses.
-        coefficients: (B, P, N, J) routing probabilities r_ij, summing to 1 over J (a transposed view), or None.
+        coefficients: (B, P, N, J) routing probabilities r_ij, summing to 1 over J, or None.
     """
     B, P, N, D = children.shape
     J, Y = weight.shape[1], weight.shape[3]
     r = _rows(children, weight)
     D_out, rows = r * Y, B * P
     u = children.reshape(rows, N, D)  # (BP, N, D)
-    w = _block_weight(weight, r)  # (N, D, J·D_out)
-    # a_ij = <p_j, v_ij> / √D, with the scale folded into the (small) parents
-    q = parents.reshape(rows * J, 1, D_out) * D_out**-0.5  # (BPJ, 1, D_out)
+    w = _vote_weight(weight)  # (N, X, Y·J)
+    # a_ij = <p_j, v_ij> / √D, with the scale folded into the (small) parents, laid out like a vote: (D_out, J)
+    q = (parents.reshape(rows, J, D_out) * D_out**-0.5).transpose(1, 2).contiguous()  # (BP, D_out, J)
+    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (children, weight, parents))
     if torch.compiler.is_exporting():
         # an exported graph takes any batch: one block of all rows, no Python loop over a symbolic size
-        blocks, vote_buffer = [(0, rows)], None
+        blocks, buffers = [(0, rows)], None
     else:
         block = block_rows(N * J * D_out * children.element_size())
         blocks = [(start, min(start + block, rows)) for start in range(0, rows, block)]
         # autograd keeps every block's votes for the backward pass, and autocast does not cast ``out=`` products,
-        # so only plain inference reuses one buffer
-        recording = torch.is_grad_enabled() and any(t.requires_grad for t in (children, weight, parents))
-        reuse = not recording and not torch.is_autocast_enabled(children.device.type)
-        vote_buffer = children.new_empty(N * min(block, rows) * J * D_out) if reuse else None
+        # so only plain inference reuses two buffers (votes, and their products with the parents) and works in place
+        inplace = not recording and not torch.is_autocast_enabled(children.device.type)
+        size = N * min(block, rows) * J * D_out
+        buffers = (children.new_empty(size), children.new_empty(size)) if inplace else None
     sums, coefficients = [], []
     for start, stop in blocks:
-        n = stop - start
-        u_block = u[start:stop].transpose(0, 1).contiguous()  # (N, n, D): a small copy the product reads fast
-        out = None if vote_buffer is None else vote_buffer[: N * n * J * D_out].view(N, n, J * D_out)
-        v = torch.bmm(u_block, w, out=out)  # (N, n, J·D_out): one product per child
-        # the votes seen per (row, j): N rows of D values, strided over the leading N; a view, never a copy
-        v = v.view(N, n * J, D_out).transpose(0, 1)  # (nJ, N, D_out)
-        # (1, D_out) @ (D_out, N) per (row, j): parents first, so the logits come out (n, J, N) for the softmax
-        logits = torch.bmm(q[start * J : stop * J], v.transpose(1, 2)).view(n, J, N)  # (n, J, N)
-        c = torch.softmax(logits, dim=1)  # (n, J, N): over parents
-        # Σ_i r_ij v_ij: per (row, j) a (1, N) @ (N, D_out) product reading the votes in place
-        sums.append(torch.bmm(c.view(n * J, 1, N), v))  # (nJ, 1, D_out)
+        n, size = stop - start, N * (stop - start) * J * D_out
+        u_block = u[start:stop].transpose(0, 1).reshape(N, n * r, -1)  # (N, n·r, X): each child's pose rows
+        out = None if buffers is None else buffers[0][:size].view(N, n * r, Y * J)
+        v = torch.bmm(u_block, w, out=out).view(N, n, D_out, J)  # (N, n, D_out, J): one product per child
+        q_block = q[start:stop].to(v.dtype)  # (n, D_out, J)
+        products = torch.mul(v, q_block) if buffers is None else torch.mul(v, q_block, out=buffers[1][:size].view_as(v))
+        c = torch.softmax(products.sum(2), dim=2).to(v.dtype)  # (N, n, J): over parents
+        # Σ_i r_ij v_ij: scale each vote by its coefficient, then sum over the children (the outermost dim)
+        weighted = v * c[:, :, None] if buffers is None else v.mul_(c[:, :, None])  # (N, n, D_out, J)
+        sums.append(weighted.sum(0))  # (n, D_out, J)
         if keep_coefficients:
-            coefficients.append(c)
-    new = normalize(torch.cat(sums).view(B, P, J, D_out))  # (B, P, J, D_out)
+            coefficients.append(c.transpose(0, 1))  # (n, N, J)
+    new = normalize(torch.cat(sums).transpose(1, 2).reshape(B, P, J, D_out))  # (B, P, J, D_out)
     if not keep_coefficients:
         return new, None
-    return new, torch.cat(coefficients).view(B, P, J, N).transpose(2, 3)  # (B, P, N, J)
+    return new, torch.cat(coefficients).view(B, P, N, J)  # (B, P, N, J)
 
 
 # ==================================================================================================================
@@ -185,10 +184,9 @@ def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: N
 #
 # for T rounds, all of one layer's before the next layer starts (sequential). The votes do not change between
 # rounds, so ``dynamic_routing`` computes each block of (batch × position) rows' votes once and runs all T rounds
-# on the block while it is in cache, with the same buffer, block size (``vote_blocks``, which ``routing_step`` can
-# share) and two-operand products as ``routing_step``. Memory is one block of votes, plus, when training, every
-# block's votes once (the attention step keeps one copy per iteration) and the D-times-smaller couplings of each
-# round.
+# on the block while it is in cache, in blocks of ``routing_step``'s size (``vote_blocks``). Memory is one block of
+# votes, plus, when training, every block's votes once (the attention step keeps one copy per iteration) and the
+# D-times-smaller couplings of each round.
 
 
 def squash(s: Tensor) -> Tensor:
@@ -219,7 +217,8 @@ def vote_blocks(children: Tensor, weight: Tensor, *inputs: Tensor
     r = _rows(children, weight)
     D_out, rows = r * Y, B * P
     u = children.reshape(rows, N, D)  # (BP, N, D)
-    w = _block_weight(weight, r)  # (N, D, J·D_out)
+    assert r == 1, "dynamic routing has vector poses"
+    w = weight.permute(0, 2, 1, 3).reshape(N, D, J * D_out)  # (N, D, J·D_out): û_{j|i} = W_ij u_i, D_out adjacent
     if torch.compiler.is_exporting():
         # an exported graph takes any batch: one block of all rows, no Python loop over a symbolic size
         return u, w, [(0, rows)], None

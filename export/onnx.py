@@ -11,8 +11,9 @@ Graph contract:
                             ``capserve.model.part_whole``).
 
 Metadata (``metadata_props``): ``capserve.metadata`` holds ``ModelMetadata.to_json()``, the one key runtimes
-read; ``capserve.precision`` and ``capserve.outputs`` describe the graph; the other keys repeat fields for
-people reading the file with other tools (Netron, ``onnx.load``).
+read; ``capserve.precision`` and ``capserve.outputs`` describe the graph; ``capserve.config`` holds the architecture
+(``ModelConfig`` JSON), from which the ONNX runtime sizes the chunks of a large batch; the other keys repeat fields
+for people reading the file with other tools (Netron, ``onnx.load``).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from torch import Tensor, nn
 
 import capserve
 from capserve.checkpoint import WEIGHTS
+from capserve.configs import ModelConfig
 from capserve.model import CapsNet, part_whole
 from capserve.runtime.base import ModelMetadata
-from capserve.runtime.onnx_backend import LOGITS, METADATA_KEY, PART_WHOLE, PRECISION_KEY
+from capserve.runtime.onnx_backend import CONFIG_KEY, LOGITS, METADATA_KEY, PART_WHOLE, PRECISION_KEY
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +93,14 @@ def load_checkpoint(checkpoint: str | Path) -> tuple[CapsNet, str]:
     return model, file_sha256(Path(checkpoint) / WEIGHTS)
 
 
-def metadata_props(metadata: ModelMetadata, precision: str, outputs: Sequence[str]) -> dict[str, str]:
+def metadata_props(metadata: ModelMetadata, precision: str, outputs: Sequence[str],
+                   config: ModelConfig | None = None) -> dict[str, str]:  # fmt: skip
     """The key/value pairs written into an exported file's ``metadata_props``."""
+    # the architecture, for runtimes that size their work by it (not ``extra``: training provenance stays home)
+    architecture = {} if config is None else {CONFIG_KEY: json.dumps({**config.to_dict(), "extra": {}})}
     return {
         METADATA_KEY: metadata.to_json(),
+        **architecture,
         PRECISION_KEY: precision,
         OUTPUTS_KEY: ",".join(outputs),
         "name": metadata.name,
@@ -196,7 +202,7 @@ def export_onnx(model: CapsNet, path: str | Path, iterations: int | None = None,
         model.config, T, capserve_version=capserve.__version__, weights_sha256=weights_digest or weights_sha256(model)
     )
     outputs = [o.name for o in proto.graph.output]
-    set_metadata(proto, metadata_props(metadata, precision, outputs))
+    set_metadata(proto, metadata_props(metadata, precision, outputs, model.config))
     proto.producer_name = "capserve"
     proto.producer_version = capserve.__version__
     proto.doc_string = (f"{metadata.name}: capsule network, {T} routing iteration(s) unrolled" if T is not None

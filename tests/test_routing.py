@@ -101,18 +101,20 @@ def test_two_children_two_parents_by_hand():
 
 
 @pytest.mark.parametrize("pose", ["matrix", "vector"])
-def test_block_weight_maps_a_child_pose_to_every_vote_pose(pose):
-    """One product of a child pose with its block weight gives its J votes, each vote's D values adjacent."""
+def test_vote_weight_maps_each_pose_row_to_every_vote(pose):
+    """One product of a child's pose rows with its vote weight gives its J votes, laid out (r, Y, J)."""
     torch.manual_seed(3)
     N, J, D = 4, 5, 9
     x = y = 3 if pose == "matrix" else D
     children = torch.randn(N, D, dtype=torch.float64)
     weight = torch.randn(N, J, x, y, dtype=torch.float64)
-    block = routing._block_weight(weight, D // x)  # (N, D, J·D)
+    vote_weight = routing._vote_weight(weight)  # (N, X, Y·J)
+    assert vote_weight.shape == (N, x, y * J)
     for i, j in [(0, 0), (3, 4), (2, 1)]:
         u = children[i]
         expected = (u.view(x, x) @ weight[i, j]).flatten() if pose == "matrix" else weight[i, j].T @ u
-        torch.testing.assert_close((u @ block[i]).view(J, D)[j], expected)
+        votes = (u.view(D // x, x) @ vote_weight[i]).view(D // x, y, J)  # (r, Y, J)
+        torch.testing.assert_close(votes[..., j].flatten(), expected)
 
 
 @pytest.mark.parametrize("pose", ["matrix", "vector"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -9,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from capserve.configs import MODELS, CapsuleLayerConfig, ModelConfig
 from capserve.runtime.base import Explanation, ModelMetadata, Runtime, RuntimeLoadError
 
 log = logging.getLogger(__name__)
@@ -16,6 +19,7 @@ log = logging.getLogger(__name__)
 # written by capserve.export.onnx (kept here so that serving never imports the exporter)
 METADATA_KEY = "capserve.metadata"
 PRECISION_KEY = "capserve.precision"
+CONFIG_KEY = "capserve.config"  # the architecture (ModelConfig JSON): sizes the chunks of a large batch
 LOGITS, PART_WHOLE = "logits", "part_whole"
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 CPU = "CPUExecutionProvider"
@@ -40,6 +44,38 @@ def providers_for(device: str) -> list[Provider]:
             raise ValueError(f"bad device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
         return [("CUDAExecutionProvider", {"device_id": int(index), "cudnn_conv_algo_search": CONV_ALGO_SEARCH}), CPU]
     raise ValueError(f"unknown device {device!r} for onnxruntime: use 'cpu', 'cuda' or 'cuda:N'")
+
+
+# An exported graph routes a whole batch at once: every vote of a routed layer lives in one tensor, beside its
+# products with the parents and the weighted votes. Batches run in chunks whose votes fit this budget.
+MEMORY_BUDGET_MB = 512
+# ONNX Runtime's peak over its base, per vote byte of the routed layers (cifar10-resnet, batch 32: measured 2.3 at
+# T = 3 and T = 5); rounded up so that a chunk stays inside the budget
+VOTE_COPIES = 3
+
+
+def vote_bytes_per_image(config: ModelConfig, iterations: int, element_size: int = 4) -> int:
+    """Bytes of the votes (positions × children × parents × D) of every capsule layer that routes with attention at
+    T = ``iterations``, per image: 0 at T = 1, where every layer routes uniformly, without votes.
+
+    Summed over layers because a concurrent update computes every layer's step from the same poses, and a runtime
+    may hold them at once. Follows ``CapsNet._route``: sequential routing routes every layer when T >= 2; concurrent
+    routing updates layer i (0-based, of L) at iteration t only if t <= T - (L - 1 - i).
+    """
+    layers = (*config.capsules, CapsuleLayerConfig("fc", config.num_classes))
+    side, types, total = config.spatial_sizes[0], config.primary_types, 0
+    for i, layer in enumerate(layers):
+        if layer.kind == "conv":
+            children = layer.kernel_size**2 * types
+            side = (side - layer.kernel_size) // layer.stride + 1
+            positions = side**2
+        else:
+            children, positions, side = types * side**2, 1, 1
+        routes = iterations >= 2 if config.routing == "sequential" else iterations - (len(layers) - 1 - i) >= 2
+        if routes:
+            total += positions * children * layer.types * config.pose_dim * element_size
+        types = layer.types
+    return total
 
 
 def installed_onnxruntimes() -> list[str]:
@@ -72,13 +108,17 @@ class OnnxRuntime(Runtime):
         graph_optimization: "disable", "basic", "extended" or "all".
         threads: intra-op threads (0: ONNX Runtime's default, one per core).
         memory_arena: keep freed CPU memory for reuse (faster); False returns it, for many sessions in one
-            process (an arena holds its peak: GBs at batch 64 for T >= 3).
+            process (an arena holds its peak).
+        memory_budget_mb: run a batch in chunks of at most ``chunk_size`` images, chosen so that a chunk's votes
+            fit this budget (``vote_bytes_per_image`` × ``VOTE_COPIES``); None runs every batch whole. The results
+            are those of one run: images never interact.
     """
 
     backend = "onnxruntime"
 
     def __init__(self, path: str | Path, device: str = "cpu", providers: list[Provider] | None = None,
-                 graph_optimization: str = "all", threads: int = 0, memory_arena: bool = True):  # fmt: skip
+                 graph_optimization: str = "all", threads: int = 0, memory_arena: bool = True,
+                 memory_budget_mb: float | None = MEMORY_BUDGET_MB):  # fmt: skip
         try:
             import onnxruntime as ort
         except ImportError as e:
@@ -139,6 +179,47 @@ class OnnxRuntime(Runtime):
             raise RuntimeLoadError(f"{self.path}: input {inputs[0].type} {inputs[0].shape} does not match its "
                                    f"metadata's float (B, {self.metadata.input_shape}); re-export it")  # fmt: skip
         self.explainable = PART_WHOLE in outputs
+        self.chunk_size = self._chunk_size(memory_budget_mb)
+
+    def _config(self) -> ModelConfig | None:
+        """The exported architecture: from the file, or for files exported before it was recorded there, the named
+        config with the metadata's labels and input (None when neither describes this graph)."""
+        props = self.session.get_modelmeta().custom_metadata_map
+        if CONFIG_KEY in props:
+            try:
+                return ModelConfig.from_dict(json.loads(props[CONFIG_KEY]))
+            except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+                raise RuntimeLoadError(f"{self.path}: {CONFIG_KEY!r} is not a valid model config ({e}); "
+                                       "re-export it with `capserve export onnx`") from e  # fmt: skip
+        m = self.metadata
+        if m.name not in MODELS:
+            return None
+        try:
+            return dataclasses.replace(MODELS[m.name], labels=m.labels, in_channels=m.in_channels,
+                                       image_size=m.image_size)  # fmt: skip
+        except ValueError:
+            return None
+
+    def _chunk_size(self, budget_mb: float | None) -> int | None:
+        if budget_mb is None:
+            return None
+        if budget_mb <= 0:
+            raise ValueError(f"memory_budget_mb must be > 0 (or None: no chunks), got {budget_mb!r}")
+        config = self._config()
+        if config is None:
+            log.warning("%s records no model config: batches run whole (memory grows with the batch)", self.path)
+            return None
+        element_size = 2 if self.precision == "fp16" else 4
+        per_image = VOTE_COPIES * vote_bytes_per_image(config, self.metadata.iterations, element_size)
+        return None if per_image == 0 else max(1, int(budget_mb * 2**20 // per_image))
+
+    def _run(self, names: list[str], batch: np.ndarray) -> list[np.ndarray]:
+        """``session.run`` over chunks of at most ``chunk_size`` images, outputs concatenated along the batch."""
+        chunk = self.chunk_size
+        if chunk is None or len(batch) <= chunk:
+            return self.session.run(names, {self.input_name: batch})
+        parts = [self.session.run(names, {self.input_name: batch[i : i + chunk]}) for i in range(0, len(batch), chunk)]
+        return [np.concatenate(outputs) for outputs in zip(*parts, strict=True)]
 
     def _read_metadata(self) -> ModelMetadata:
         props = self.session.get_modelmeta().custom_metadata_map
@@ -154,7 +235,7 @@ class OnnxRuntime(Runtime):
         return self.session.get_providers()
 
     def _predict(self, batch: np.ndarray) -> np.ndarray:
-        return self.session.run([LOGITS], {self.input_name: batch})[0]
+        return self._run([LOGITS], batch)[0]
 
     def explain(self, batch: np.ndarray) -> Explanation:
         if not self.explainable:
@@ -162,5 +243,5 @@ class OnnxRuntime(Runtime):
                 raise NotImplementedError(f"{self.path} is a CNN without routing: there is nothing to explain")
             raise NotImplementedError(f"{self.path} has no {PART_WHOLE!r} output: export it with "
                                       "`capserve export onnx --explain`")  # fmt: skip
-        logits, parse = self.session.run([LOGITS, PART_WHOLE], {self.input_name: self.check_batch(batch)})
+        logits, parse = self._run([LOGITS, PART_WHOLE], self.check_batch(batch))
         return Explanation(logits, parse)
