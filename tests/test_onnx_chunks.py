@@ -46,11 +46,24 @@ def recorded_vote_bytes(model: capserve.CapsNet, iterations: int, monkeypatch) -
 
 @pytest.mark.parametrize("routing_order", ["concurrent", "sequential"])
 def test_vote_bytes_follow_the_layers_the_model_routes(monkeypatch, model_name, routing_order):
+    if capserve.get_config(model_name).routing_algorithm != "attention":
+        pytest.skip("attention routing's steps (dynamic, EM and CNNs: the test below)")
     model = tiny_model(model_name, routing=routing_order)
     for iterations in range(1, 6):
         expected = recorded_vote_bytes(model, iterations, monkeypatch)
         assert vote_bytes_per_image(model.config, iterations) == expected, iterations
     assert vote_bytes_per_image(model.config, 1) == 0  # uniform routing only: no votes
+
+
+def test_vote_bytes_of_the_other_routings_and_of_cnns():
+    """By hand, per layer: positions × children × parent types × D values of 4 bytes."""
+    dynamic = capserve.get_config("multimnist-capsnet-small")  # grids 9 → 7 (conv 3×3/1, 8 types), 8-d vectors
+    by_hand = 7**2 * (3 * 3 * 8) * 8 * 8 + (8 * 7**2) * 10 * 8 + 10 * 10 * 8
+    assert [vote_bytes_per_image(dynamic, T) for T in (1, 2, 5)] == [0, 4 * by_hand, 4 * by_hand]  # T = 1: uniform
+    em = capserve.get_config("multimnist-em-small")  # grids 9 → 4 (conv 3×3/2, 8 types), 4×4 poses
+    by_hand = 4**2 * (3 * 3 * 8) * 8 * 16 + (8 * 4**2) * 10 * 16 + 10 * 10 * 16
+    assert [vote_bytes_per_image(em, T) for T in (1, 2, 5)] == [4 * by_hand] * 3  # EM's M-step reads votes at T = 1
+    assert vote_bytes_per_image(capserve.get_config("multimnist-cnn-fc-small"), None) == 0
 
 
 @pytest.fixture(scope="module")

@@ -54,14 +54,17 @@ MEMORY_BUDGET_MB = 512
 VOTE_COPIES = 3
 
 
-def vote_bytes_per_image(config: ModelConfig, iterations: int, element_size: int = 4) -> int:
-    """Bytes of the votes (positions × children × parents × D) of every capsule layer that routes with attention at
-    T = ``iterations``, per image: 0 at T = 1, where every layer routes uniformly, without votes.
+def vote_bytes_per_image(config: ModelConfig, iterations: int | None, element_size: int = 4) -> int:
+    """Bytes of the votes (positions × children × parents × D) of every capsule layer that builds them at
+    T = ``iterations``, per image: 0 for a CNN, and 0 at T = 1 for attention and dynamic routing, whose first
+    iteration routes uniformly without votes (EM's M-step reads every vote at any T).
 
     Summed over layers because a concurrent update computes every layer's step from the same poses, and a runtime
     may hold them at once. Follows ``CapsNet._route``: sequential routing routes every layer when T >= 2; concurrent
     routing updates layer i (0-based, of L) at iteration t only if t <= T - (L - 1 - i).
     """
+    if iterations is None or not config.has_routing:
+        return 0
     layers = (*config.capsules, CapsuleLayerConfig("fc", config.num_classes))
     side, types, total = config.spatial_sizes[0], config.primary_types, 0
     for i, layer in enumerate(layers):
@@ -72,6 +75,7 @@ def vote_bytes_per_image(config: ModelConfig, iterations: int, element_size: int
         else:
             children, positions, side = types * side**2, 1, 1
         routes = iterations >= 2 if config.routing == "sequential" else iterations - (len(layers) - 1 - i) >= 2
+        routes = routes or config.routing_algorithm == "em"
         if routes:
             total += positions * children * layer.types * config.pose_dim * element_size
         types = layer.types
