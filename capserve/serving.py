@@ -638,6 +638,7 @@ def decode(upload: Upload, runtime: Runtime, max_pixels: int, what: str = "the i
 
 FAILED_START_SIGNAL = signal.SIGUSR2  # worker → server process: the model could not be loaded
 FAILED_START_EXIT_CODE = 3
+SERVER_PID_VARIABLE = "CAPSERVE_SERVER_PID"  # set by the server process for its workers: whom to signal
 _failed_start = threading.Event()
 
 
@@ -657,6 +658,7 @@ def prepare_server_process() -> None:
         return  # imported by a test or a tool, not by a server: signal handlers are the main thread's
     signal.signal(FAILED_START_SIGNAL, _on_failed_start)
     atexit.register(_exit_status)
+    os.environ.setdefault(SERVER_PID_VARIABLE, str(os.getpid()))  # the server process: its workers inherit it
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:  # the server process (its workers inherit the variable)
         try:
             from bentoml._internal.configuration.containers import BentoMLContainer
@@ -710,8 +712,12 @@ def _exit_status() -> None:
 
 
 def report_failed_start() -> None:
-    """Called by a worker whose model cannot be loaded: stop the server process with a non-zero status."""
-    if os.environ.get("CAPSERVE_EXIT_ON_FAILURE", "1") != "0" and os.getppid() > 1:
+    """Called by a worker whose model cannot be loaded: stop the server process with a non-zero status.
+
+    Only a worker of a server that ``prepare_server_process`` set up signals, and only that server: ``Capsules``
+    used in-process (a script, a test) must never signal whatever process happens to be its parent."""
+    server = os.environ.get(SERVER_PID_VARIABLE)
+    if os.environ.get("CAPSERVE_EXIT_ON_FAILURE", "1") != "0" and server == str(os.getppid()):
         os.kill(os.getppid(), FAILED_START_SIGNAL)
 
 

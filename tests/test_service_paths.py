@@ -21,6 +21,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -316,3 +317,20 @@ def test_overload_answers_503_and_serving_goes_on(tmp_path):
 def test_a_single_label_model_as_the_multilabel_one_stops_the_server(tmp_path):
     text = failed_start(tmp_path, CAPSERVE_MODEL=str(CIFAR10), CAPSERVE_MULTILABEL_MODEL=str(CIFAR10))
     assert "is a single_label model; give a multi_label one" in text, text[-2000:]
+
+
+def test_a_failed_start_signals_only_the_server_that_spawned_the_worker(monkeypatch):
+    """``Capsules`` used in-process (a script, a test) that fails to start must not signal its parent process (it
+    killed the shell running pytest once); a BentoML worker signals its server, which set the variable."""
+    from capserve import serving
+
+    sent = []
+    monkeypatch.setattr(serving.os, "kill", lambda pid, signum: sent.append((pid, signum)))
+    monkeypatch.delenv(serving.SERVER_PID_VARIABLE, raising=False)
+    serving.report_failed_start()
+    monkeypatch.setenv(serving.SERVER_PID_VARIABLE, str(os.getppid() + 1))  # some other process's server
+    serving.report_failed_start()
+    assert sent == []
+    monkeypatch.setenv(serving.SERVER_PID_VARIABLE, str(os.getppid()))
+    serving.report_failed_start()
+    assert sent == [(os.getppid(), serving.FAILED_START_SIGNAL)]
