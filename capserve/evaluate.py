@@ -1,7 +1,9 @@
 """``capserve evaluate CHECKPOINT --data DIR|CSV``: accuracy per routing iteration count, on one checkpoint.
 
 Single-label: top-1/top-5, per-class precision/recall/F1 and the confusion matrix. Multi-label: exact match (every
-decision right) and per-class F1, with the checkpoint's thresholds (0.5 where none are stored). Every metric is
+decision right) and per-class F1, with the checkpoint's thresholds (0.5 where none are stored), and the ranked
+recall, which needs no threshold: of an image's k labels, the share among its k highest scores (k / classes by
+chance). Every metric is
 computed for T = 1..5 routing iterations (``--iterations``), the paper's Figure 4 analysis, as a table and a plot;
 ``--json`` prints the report as one JSON object instead, ``--out DIR`` also writes ``evaluation.json``,
 ``iterations.png`` and (single-label) ``confusion.png`` with the label names. A baseline CNN has no routing: it is
@@ -120,7 +122,15 @@ def multi_label_metrics(logits: Tensor, targets: Tensor, thresholds: tuple[float
     truth = targets > 0.5  # (N, C)
     f1 = _f1(pred, truth)
     return {"exact_match": (pred == truth).all(dim=1).float().mean().item(), "f1": f1.tolist(),
-            "macro_f1": f1.mean().item()}  # fmt: skip
+            "macro_f1": f1.mean().item(), "ranked_recall": ranked_recall(logits, truth)}  # fmt: skip
+
+
+def ranked_recall(logits: Tensor, truth: Tensor) -> float:
+    """Of each image's k labels, the share among its k highest logits, over all labels of all images (threshold-free:
+    it shows whether a model ranks the right labels first before its activations cross any threshold)."""
+    k = truth.sum(1, keepdim=True)  # (N, 1)
+    rank = logits.argsort(dim=1, descending=True).argsort(dim=1)  # (N, C): 0 for the highest logit
+    return ((rank < k) & truth).sum().item() / max(k.sum().item(), 1)
 
 
 def _f1(pred: Tensor, truth: Tensor) -> Tensor:
@@ -385,12 +395,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     tops = [k for k in results[iterations[0]] if k.startswith("top") and k != "top1"]
     second = "macro_f1" if c.task == "multi_label" else tops[0]
+    third = ["ranked_recall"] if c.task == "multi_label" else []
     skipped_note = f", {skipped} unreadable skipped" if skipped else ""
     trained = f"trained with T = {trained_T}" if c.has_routing else f"a CNN ({c.head} head): no routing iterations"
     print(f"{c.name} on {dataset} {args.split} ({images} images{skipped_note}; {trained})")
-    print(f"{'T':>3} {key:>12} {second:>10}")
+    print(f"{'T':>3} {key:>12} {second:>10}" + "".join(f" {name:>14}" for name in third))
     for T in iterations:
-        print(f"{'-' if T is None else T:>3} {100 * results[T][key]:11.2f}% {100 * results[T][second]:9.2f}%")
+        print(
+            f"{'-' if T is None else T:>3} {100 * results[T][key]:11.2f}% {100 * results[T][second]:9.2f}%"
+            + "".join(f" {100 * results[T][name]:13.2f}%" for name in third)
+        )
     width = max(10, *(len(lab) for lab in c.labels))
     if c.task == "multi_label":
         print("per-class F1: " + ", ".join(f"{lab} {f:.3f}" for lab, f in zip(c.labels, main["f1"], strict=True)))

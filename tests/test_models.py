@@ -58,10 +58,11 @@ def test_logits_shape_for_every_batch_size(model_name):
             assert model(tiny_input(model, batch)).shape == (batch, model.config.num_classes)
 
 
-# EM's activations standardise each position's costs over its parents, which amplifies float32 rounding that differs
-# between batch sizes: measured up to 1.4e-4 on cifar100-resnet-em at T = 2 (logits up to ~4). The float64 test below
-# shows there is no real dependence.
-FLOAT32_BATCH_TOLERANCE = {"em": 5e-4}
+# EM's class logits are λ(β_a − cost) with the cost a sum of log σ², whose float32 rounding differs between batch sizes
+# and grows with the logits (a parent that few children reach has a small σ²; the tiny models have small grids):
+# measured 6.1e-5 on cifar100-resnet-em's tiny model at T = 2, logits up to 42. The bound is relative for EM; the
+# float64 test below shows there is no real dependence.
+FLOAT32_BATCH_TOLERANCE = {"em": 1e-5}
 
 
 @pytest.mark.parametrize("iterations", [1, 2])
@@ -72,6 +73,8 @@ def test_a_sample_does_not_depend_on_its_batch(model_name, iterations):
         together = model(x, iterations=iterations)
         alone = torch.cat([model(x[i : i + 1], iterations=iterations) for i in range(8)])
     tolerance = FLOAT32_BATCH_TOLERANCE.get(model.config.routing_algorithm, 1e-5)
+    if model.config.routing_algorithm == "em":
+        tolerance *= max(1.0, together.abs().max().item())
     assert (together - alone).abs().max().item() <= tolerance
 
 

@@ -60,8 +60,8 @@ def test_vote_bytes_of_the_other_routings_and_of_cnns():
     dynamic = capserve.get_config("multimnist-capsnet-small")  # grids 9 → 7 (conv 3×3/1, 8 types), 8-d vectors
     by_hand = 7**2 * (3 * 3 * 8) * 8 * 8 + (8 * 7**2) * 10 * 8 + 10 * 10 * 8
     assert [vote_bytes_per_image(dynamic, T) for T in (1, 2, 5)] == [0, 4 * by_hand, 4 * by_hand]  # T = 1: uniform
-    em = capserve.get_config("multimnist-em-small")  # grids 9 → 4 (conv 3×3/2, 8 types), 4×4 poses
-    by_hand = 4**2 * (3 * 3 * 8) * 8 * 16 + (8 * 4**2) * 10 * 16 + 10 * 10 * 16
+    em = capserve.get_config("multimnist-em-small")  # grids 9 → 4 (conv 3×3/2, 8 types) → 10 classes, 4×4 poses
+    by_hand = 4**2 * (3 * 3 * 8) * 8 * 16 + (8 * 4**2) * 10 * 16
     assert [vote_bytes_per_image(em, T) for T in (1, 2, 5)] == [4 * by_hand] * 3  # EM's M-step reads votes at T = 1
     assert vote_bytes_per_image(capserve.get_config("multimnist-cnn-fc-small"), None) == 0
 

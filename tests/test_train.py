@@ -20,7 +20,7 @@ import capserve.data
 from capserve import evaluate as ev
 from capserve.cli import main
 from capserve.preprocess import normalize
-from capserve.train import TrainConfig, lr_factor, train
+from capserve.train import TrainConfig, improves, lr_factor, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,11 +89,13 @@ def test_training_reduces_loss_and_writes_outputs(cifar, tmp_path):
                                              "trainer.json"}  # fmt: skip
 
 
-def test_resume_continues_exactly(cifar, tmp_path):
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_resume_continues_exactly(cifar, tmp_path, optimizer):
     whole = tmp_path / "whole"
-    train(cfg("cifar10-simple", cifar, whole, test=False))  # 2 epochs × 3 steps
+    lr = 0.05 if optimizer == "sgd" else 1e-3
+    train(cfg("cifar10-simple", cifar, whole, test=False, optimizer=optimizer, lr=lr))  # 2 epochs × 3 steps
     part = tmp_path / "part"
-    train(cfg("cifar10-simple", cifar, part, test=False, max_steps=4))  # stops inside epoch 2
+    train(cfg("cifar10-simple", cifar, part, test=False, max_steps=4, optimizer=optimizer, lr=lr))  # inside epoch 2
     state = json.loads((part / "last" / "trainer.json").read_text())["state"]
     assert (state["epoch"], state["batch"], state["step"]) == (1, 1, 4)
     assert main(["train", "--resume", str(part)]) == 0
@@ -102,6 +104,16 @@ def test_resume_continues_exactly(cifar, tmp_path):
     oa = load_file(str(whole / "last" / "optimizer.safetensors"))
     ob = load_file(str(part / "last" / "optimizer.safetensors"))
     assert all(torch.equal(oa[k], ob[k]) for k in oa if k.startswith("state."))
+    moments = {"momentum_buffer"} if optimizer == "sgd" else {"exp_avg", "exp_avg_sq", "step"}
+    assert {k.split(".", 2)[2] for k in oa if k.startswith("state.")} == moments  # the optimizer asked for
+
+
+def test_best_epoch_breaks_accuracy_ties_by_validation_loss():
+    assert improves(0.0, 13.5, None, None)  # the first epoch
+    assert improves(0.1, 20.0, 0.0, 13.5)  # accuracy decides first
+    assert not improves(0.0, 14.0, 0.1, 13.5)
+    assert improves(0.0, 11.4, 0.0, 13.5) and not improves(0.0, 13.6, 0.0, 13.5)  # a tie: the lower loss
+    assert not improves(0.5, None, 0.5, None)  # no validation split: the first of equal training accuracies
 
 
 def test_ddp_two_cpu_processes_match_one(mnist, tmp_path):
@@ -183,8 +195,26 @@ def test_metrics():
     targets = torch.tensor([[1.0, 0], [1, 1], [0, 1]])
     mm = ev.multi_label_metrics(torch.tensor([[2.0, -1], [1, -0.5], [-1, 1]]), targets, None)
     assert mm["exact_match"] == pytest.approx(2 / 3) and mm["f1"] == [1.0, pytest.approx(2 / 3)]
+    # ranked recall ignores thresholds: images 0 and 2 rank their one label first, image 1 has both of its two
+    assert mm["ranked_recall"] == 1.0
+    scores = torch.tensor([[0.0, 1, 2], [3, 2, 1], [1, 2, 3]])  # labels: {0}, {0, 2}, {1, 2}
+    ranked = ev.ranked_recall(scores, torch.tensor([[True, False, False], [True, False, True], [False, True, True]]))
+    assert ranked == pytest.approx(3 / 5)  # image 0: 0 of 1; image 1: 1 of 2 (class 0); image 2: 2 of 2
     # class 1's positives score sigmoid(-0.5) and sigmoid(1): a threshold below 0.38 gets them both
     assert ev.fit_thresholds(torch.tensor([[2.0, -1.5], [1, -0.5], [-1, 1]]), targets)[1] < 0.38
+
+
+def test_optimizer_flags(cifar, tmp_path, capsys, monkeypatch):
+    runs: list[TrainConfig] = []
+    monkeypatch.setattr(capserve.train, "train", lambda c, resume=None: runs.append(c) or {})
+    base = ["train", "--model", "cifar10-simple", "--data", str(cifar), "--out", str(tmp_path)]
+    assert main([*base, "--optimizer", "adam"]) == 0 and main(base) == 0
+    assert [(c.optimizer, c.lr) for c in runs] == [("adam", 1e-3), ("sgd", 0.1)]  # each optimizer's own default lr
+    assert main([*base, "--optimizer", "adam", "--momentum", "0.5"]) == 2
+    assert "--momentum is SGD's" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # argparse's own usage error
+        main([*base, "--optimizer", "lion"])
+    assert exit_.value.code == 2 and "invalid choice: 'lion'" in capsys.readouterr().err
 
 
 def test_cli_errors(cifar, tmp_path, capsys):
