@@ -298,7 +298,7 @@ def test_multi_label_csv_trains_calibrates_and_evaluates(tmp_path, capsys):
     assert main(["evaluate", str(tmp_path / "ml" / "best"), "--data", str(csv_path), "--iterations", "2",
                  "--json"]) == 0  # fmt: skip
     report = json.loads(capsys.readouterr().out)
-    assert report["images"] == 6 and set(report["results"]["2"]) == {"exact_match", "f1", "macro_f1"}
+    assert report["images"] == 6 and set(report["results"]["2"]) == {"exact_match", "f1", "macro_f1", "ranked_recall"}
 
 
 def test_fine_tuning_loads_matching_tensors(run, tmp_path):
