@@ -37,7 +37,7 @@ from test_service import failed_start, start_server, stop, upload, wait_ready
 import capserve
 from capserve import images
 from capserve.runtime import load_runtime
-from capserve.serving import heatmap_png
+from capserve.serving import Settings, batch_runtime, heatmap_png, open_model
 
 pytest.importorskip("onnxruntime")
 
@@ -289,6 +289,23 @@ def test_no_explanation_graph_answers_501(shipped_server):
     r = shipped_server.post("/explain", **upload(real_images.png(real_images.cifar10()[0][0])))
     assert r.status_code == 501, r.text
     assert "capserve export onnx" in r.json()["error"]  # the how-to-fix message
+
+
+def spins(runtime) -> bool:
+    return runtime.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "1"
+
+
+@pytest.mark.parametrize(("max_batch_size", "lone_spins"), [(32, True), (1, False)])
+def test_only_the_lone_request_session_spins_and_only_beside_a_batch_session(max_batch_size, lone_spins):
+    """Spinning threads cut a lone request's latency but take cores from concurrent runs: the session that serves
+    lone requests spins only when adaptive batches run on a session of their own, which never spins."""
+    settings = Settings(model=str(CIFAR10), multilabel_model="none", max_batch_size=max_batch_size)
+    runtime, explainer, _ = open_model(settings.model, settings)
+    assert spins(runtime) is lone_spins
+    assert explainer is None or not spins(explainer)
+    if max_batch_size > 1:
+        batches = batch_runtime(runtime, settings)
+        assert batches is not runtime and not spins(batches)
 
 
 # ------------------------------------------------------------------------------------------ overload, start-up
