@@ -319,8 +319,9 @@ def dynamic_routing(children: Tensor, weight: Tensor, iterations: int,
 # - λ_t = 0.01 (1 − 0.95^t) for t = 1..T, the schedule Hinton gave on OpenReview (final λ 0.01).
 # An earlier version standardised the cost over each position's parents, with λ_t = t, after www0wwwjs1. Measured on
 # DiverseMultiMNIST (multimnist-em-small, 300 Adam steps of 32 images, validation recall of the k top-scoring classes
-# for images with k digits, chance 0.2): standardised 0.27–0.29, this cost 0.34; with an fc capsule layer before the
-# class capsules, standardised stayed at chance (0.18–0.22) with SGD, Adam or BCE, this cost reached 0.26.
+# for images with k digits, chance 0.19): standardised 0.25–0.29, this cost 0.34; with an fc capsule layer before the
+# class capsules, standardised did not learn (validation spread loss flat with SGD or Adam; ranked recall 0.16–0.19
+# trained with BCE instead), this cost reached 0.26.
 # - ε = 1e-6 floors σ² (a parent whose votes agree exactly keeps a finite log σ and 1/σ²).
 # - Each parent position routes its own window: a child in several overlapping windows is normalised per window,
 #   R_ij summing to 1 over the J parents of that position (as both reproductions do), which makes (batch × position)
