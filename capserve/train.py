@@ -88,8 +88,8 @@ class TrainConfig:
     overrides: dict[str, Any] = field(default_factory=dict)
     epochs: int = 350
     batch_size: int = 128
-    lr: float = 0.1
-    momentum: float = 0.9
+    lr: float | None = None  # None: the optimizer's own default (DEFAULT_LR)
+    momentum: float | None = None  # SGD only; None: 0.9
     optimizer: str = "sgd"
     weight_decay: float = 5e-4
     schedule: str = "step"
@@ -114,6 +114,12 @@ class TrainConfig:
             raise ValueError(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.optimizer == "adam" and self.momentum is not None:
+            raise ValueError("--momentum is SGD's; Adam keeps its own moving averages (betas 0.9, 0.999)")
+        if self.optimizer == "sgd" and self.momentum is None:
+            self.momentum = 0.9
+        if self.lr is None:
+            self.lr = DEFAULT_LR[self.optimizer]
         if self.amp not in AMP:
             raise ValueError(f"--amp must be one of {tuple(AMP)}, got {self.amp!r}")
         for name in ("epochs", "batch_size", "eval_batch_size"):
@@ -718,12 +724,8 @@ def run(args: argparse.Namespace) -> int:
         missing = [f"--{k}" for k, v in (("model", model), ("data", args.data), ("out", args.out)) if not v]
         if missing:
             raise ValueError(f"missing {', '.join(missing)} (or give --resume DIR)")
-        if args.optimizer == "adam" and args.momentum is not None:
-            raise ValueError("--momentum is SGD's; Adam keeps its own moving averages (betas 0.9, 0.999)")
-        lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
-        momentum = 0.9 if args.momentum is None else args.momentum
         cfg = TrainConfig(model=model, data=args.data, out=args.out, overrides=overrides, optimizer=args.optimizer,
-                          epochs=args.epochs, batch_size=args.batch_size, lr=lr, momentum=momentum,
+                          epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
                           weight_decay=args.weight_decay, schedule=args.schedule, amp=args.amp,
                           channels_last=args.channels_last, time_budget=args.time_budget, max_steps=args.max_steps,
                           grad_clip=args.grad_clip, val_size=args.val_size, epoch_size=args.epoch_size,

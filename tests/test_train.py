@@ -209,7 +209,9 @@ def test_optimizer_flags(cifar, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(capserve.train, "train", lambda c, resume=None: runs.append(c) or {})
     base = ["train", "--model", "cifar10-simple", "--data", str(cifar), "--out", str(tmp_path)]
     assert main([*base, "--optimizer", "adam"]) == 0 and main(base) == 0
-    assert [(c.optimizer, c.lr) for c in runs] == [("adam", 1e-3), ("sgd", 0.1)]  # each optimizer's own default lr
+    # each optimizer's own default lr; Adam records no momentum (it has none)
+    assert [(c.optimizer, c.lr, c.momentum) for c in runs] == [("adam", 1e-3, None), ("sgd", 0.1, 0.9)]
+    assert TrainConfig(model="cifar10-simple", data="d", out="o", optimizer="adam").lr == 1e-3  # the API's too
     assert main([*base, "--optimizer", "adam", "--momentum", "0.5"]) == 2
     assert "--momentum is SGD's" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:  # argparse's own usage error
