@@ -15,6 +15,10 @@ every configuration alike), under ``torch.inference_mode()``; the medians are re
 whole/backbone is also given from the fastest rounds ("min"), the better estimate when other processes share
 the cores.
 
+The big attention steps run through the compiled fused kernel (``capserve.routing.fused_block``) where it applies;
+its compile happens in the warm-up round, and the last line of each model's table says whether it ran. For the
+eager passes alone: ``CAPSERVE_FUSED_ROUTING=0 python benchmarks/bench_model.py …``.
+
 Capsule GFLOP are counted analytically as the useful multiply-adds of the maths (×2): the primary conv,
 B·P·N·J·r·X·Y for every vote product or uniform pass (r pose rows of X values mapped to Y values, for each of
 N children × J parents at P positions), B·P·N·J·D each for the agreement and the weighted sum, and the logit
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -242,6 +247,19 @@ def print_peak_rows(name: str, eager: list[tuple[int, int]], onnx: list[tuple[in
                       f"{ms[label.split(' of ')[0]]:>10.0f}")  # fmt: skip
 
 
+def fused_kernel_state() -> str:
+    """Whether the big routing steps ran fused in this process (timed above after their warm-up call compiled)."""
+    from capserve import routing
+
+    if os.environ.get("CAPSERVE_FUSED_ROUTING", "1") == "0":
+        return "off (CAPSERVE_FUSED_ROUTING=0)"
+    if routing._FUSED_STATE["failed"]:
+        return "off (torch.compile failed here; see the warning above)"
+    if not routing._FUSED_KERNELS:
+        return "not used (no step big enough, see routing.FUSED_MIN_VOTES)"
+    return f"on, compiled for {len(routing._FUSED_KERNELS)} block shape(s)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", help="model name (repeatable); default cifar10-resnet")
@@ -320,6 +338,7 @@ def main() -> None:
                     f"{gflop:>12.2f}{gflop / caps:>14.1f}{base:>9.0f}{peak:>9.0f}"
                 )
         print(f"(GFLOP/s of the capsule part beside the machine's matmul: {gflops_machine:.0f} GFLOP/s)")
+        print(f"fused attention kernel (capserve.routing.fused_block): {fused_kernel_state()}")
         for (batch, T), ratio in ratios.items():
             if T == 3 and batch >= 8:
                 print(f"{name}: whole / backbone at batch {batch}, T = 3: {ratio:.2f} (target <= 1.5, moonshot 1.2)")

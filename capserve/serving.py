@@ -772,6 +772,12 @@ class Capsules:
                                              "logits with non-finite values or the wrong shape")  # fmt: skip
                 if runtime is self.explainer:
                     runtime.explain(zeros)
+            for runtime in self._batch_runtimes.values():
+                if runtime.backend == "torch" and self.settings.device == "cpu":
+                    # a full batch, so that big routing steps compile their fused kernel (capserve.routing; seconds,
+                    # once per shape) now rather than in the first busy moment's requests
+                    full = np.zeros((self.settings.max_batch_size, *runtime.metadata.input_shape), np.uint8)
+                    runtime.predict(images.normalize_images(full, runtime.metadata))
         except (InputError, NotImplementedError, RuntimeError, AssertionError) as e:
             raise ConfigurationError(f"warm-up inference failed: {e}") from e
         self.ready = True

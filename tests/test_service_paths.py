@@ -308,6 +308,27 @@ def test_only_the_lone_request_session_spins_and_only_beside_a_batch_session(max
         assert batches is not runtime and not spins(batches)
 
 
+def test_a_batching_torch_server_builds_its_fused_routing_kernels_before_it_is_ready(monkeypatch):
+    """A full batch of cifar10-resnet at T = 3 fuses its second conv capsule layer's step, whose first call compiles
+    (seconds): the warm-up runs one, so that no request waits on a compile."""
+    from capserve import routing
+    from capserve.serving import Capsules
+
+    monkeypatch.setattr(routing, "_FUSED_KERNELS", {})
+    monkeypatch.setattr(routing, "_FUSED_STATE", {"failed": False})
+    monkeypatch.delenv("CAPSERVE_FUSED_ROUTING", raising=False)
+    settings = Settings(model=str(CIFAR10), multilabel_model="none", backend="torch", precision="fp32",
+                        iterations=SERVED_T, max_batch_size=8)  # fmt: skip
+    capsules = Capsules(settings, error=lambda e: e)
+    assert capsules.ready
+    compiled = set(routing._FUSED_KERNELS)
+    assert compiled or routing._FUSED_STATE["failed"]  # failed: no C++ compiler here, and the server routes eagerly
+    pixels = real_images.cifar10()[0][:8]
+    with torch.inference_mode():
+        capsules.runtime.predict(images.normalize_images(pixels, capsules.runtime.metadata))  # torch: one runtime
+    assert set(routing._FUSED_KERNELS) == compiled  # a full batch later compiles nothing new
+
+
 # ------------------------------------------------------------------------------------------ overload, start-up
 
 
