@@ -139,12 +139,13 @@ def block_rows(row_bytes: int) -> int:
 # the eager passes each write or read every vote, in a parallel region of their own, and the step of the second
 # conv capsule layer of cifar10-resnet at batch 64 is 229 blocks × 7 of them. Measured (2 threads, float32, eager
 # → fused ms): cifar10-resnet's conv capsule steps (J = 32, 4×4 poses) 421 → 230 and 2256 → 470 at batch 250;
-# cifar100-resnet's (J = 32, 6×6) 233 → 198 and 439 → 372 at batch 64. It lost where the parents fill no whole
-# vector register or the pose rows are long: class capsules (J = 10, 20) 25 → 179 and 23 → 52, multimnist-matrix's
-# 8×8 poses with J = 16 even, multimnist-vector's 64-d vectors 1726 → 14803. Hence: at least FUSED_MIN_VOTES votes
-# (below, the compile, seconds once per process and shape, does not pay), at least FUSED_MIN_PARENTS parents, and
-# pose rows of at most FUSED_MAX_ROW values. ``CAPSERVE_FUSED_ROUTING=0`` turns it off; where ``torch.compile``
-# cannot build (no C++ compiler) it is off.
+# cifar100-resnet's (J = 32, 6×6) 233 → 198 and 439 → 372 at batch 64, its 20 → 100 class capsules 2308 → 653 at
+# batch 512 (beside another job). It lost where the parents fill no whole vector register or the pose rows are
+# long: class capsules (J = 10, 20) 25 → 179 and 23 → 52, multimnist-matrix's 8×8 poses with J = 16 even,
+# multimnist-vector's 64-d vectors 1726 → 14803. Hence: at least FUSED_MIN_VOTES votes (below, the compile, seconds
+# once per process and shape, does not pay), at least FUSED_MIN_PARENTS parents, and pose rows of at most
+# FUSED_MAX_ROW values. ``CAPSERVE_FUSED_ROUTING=0`` turns it off; where ``torch.compile`` cannot build (no C++
+# compiler) it is off.
 FUSED_MIN_VOTES = 2**24
 FUSED_MIN_PARENTS = 32
 FUSED_MAX_ROW = 8
@@ -193,8 +194,9 @@ def _fused(u: Tensor, w: Tensor, q: Tensor) -> Tensor | None:
         try:
             out = kernel(u, w, q)
         except Exception as e:  # torch.compile raises its backends' own types (no C++ compiler, unsupported platform)
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
             log.warning("attention routing runs without its fused kernel: torch.compile failed here (%s: %s); set "
-                        "CAPSERVE_FUSED_ROUTING=0 to skip the attempt", type(e).__name__, str(e).strip().splitlines()[0])  # fmt: skip
+                        "CAPSERVE_FUSED_ROUTING=0 to skip the attempt", type(e).__name__, reason)  # fmt: skip
             _FUSED_STATE["failed"] = True
             return None
         _FUSED_KERNELS[key] = kernel
@@ -203,7 +205,7 @@ def _fused(u: Tensor, w: Tensor, q: Tensor) -> Tensor | None:
 
 def _fusable(children: Tensor, weight: Tensor, votes: int) -> bool:
     """Whether a plain-inference step goes through ``fused_block`` (see ``FUSED_MIN_VOTES``)."""
-    N, J, X, _ = weight.shape
+    _, J, X, _ = weight.shape
     return (votes >= FUSED_MIN_VOTES and J >= FUSED_MIN_PARENTS and X <= FUSED_MAX_ROW
             and children.device.type == "cpu" and children.dtype in (torch.float32, torch.float64)
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing())  # fmt: skip

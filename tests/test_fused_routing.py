@@ -76,11 +76,14 @@ def test_float32_fused_step_is_close_to_the_eager_one(fused, monkeypatch):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
-FUSING_CONFIGS = [
-    name for name in capserve.list_models()
-    if capserve.get_config(name).has_routing and capserve.get_config(name).routing_algorithm == "attention"
-    and any(layer.kind == "conv" and layer.types >= routing.FUSED_MIN_PARENTS for layer in capserve.get_config(name).capsules)
-]  # fmt: skip
+def fuses(name: str) -> bool:
+    """Whether a named config has a conv capsule layer with enough parents to fuse (attention routing only)."""
+    config = capserve.get_config(name)
+    wide = any(layer.kind == "conv" and layer.types >= routing.FUSED_MIN_PARENTS for layer in config.capsules)
+    return config.has_routing and config.routing_algorithm == "attention" and wide
+
+
+FUSING_CONFIGS = [name for name in capserve.list_models() if fuses(name)]
 
 
 def test_the_configs_that_fuse():
@@ -156,9 +159,11 @@ def test_a_failed_compile_warns_once_and_routes_eagerly(fused, monkeypatch, capl
 
 @pytest.mark.parametrize(
     "case",
-    ["switched off", "too few votes", "too few parents", "long pose rows", "coefficients kept", "recording grads",
-     "autocast", "on a compile trace"],  # fmt: skip
-)
+    [
+        "switched off", "too few votes", "too few parents", "long pose rows", "coefficients kept", "recording grads",
+        "autocast", "on a compile trace",
+    ],
+)  # fmt: skip
 def test_steps_that_do_not_fuse(fused, monkeypatch, case):
     """Fusing is for plain CPU inference of big steps with many parents and short pose rows; the rest is eager."""
     kwargs = {"too few parents": dict(J=16), "long pose rows": dict(D=16, X=16)}.get(case, {})
@@ -175,7 +180,7 @@ def test_steps_that_do_not_fuse(fused, monkeypatch, case):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 routing.routing_step(children.float(), weight.float(), parents.float(), layer_norm)
         else:
-            new, coef = routing.routing_step(children, weight, parents, layer_norm, keep_coefficients=keep)
+            new, _ = routing.routing_step(children, weight, parents, layer_norm, keep_coefficients=keep)
             torch.testing.assert_close(new, unblocked_step(children, weight, parents, layer_norm)[0], rtol=0,
                                        atol=1e-10)  # fmt: skip
     assert fused == []
