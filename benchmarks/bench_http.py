@@ -372,7 +372,7 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
         for name, module, command, env in [
             ("FastAPI + ONNX Runtime, one image per run", "fastapi",
              [uvicorn, "benchmarks.peers.fastapi_server:app", "--log-level", "warning", "--port"],
-             {"PEER_MODEL": onnx}),
+             {"PEER_MODEL": onnx, **({"PEER_MULTILABEL_MODEL": str(multilabel / "model.onnx")} if multilabel else {})}),
             ("LitServe, batching max 32 / 5 ms", "litserve", [python, str(PEERS / "litserve_server.py"), onnx], {}),
         ]:  # fmt: skip
             try:
@@ -384,6 +384,8 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
                 continue
             started.append(peer)
             servers[name] = (peer, "/classify", png, "single")
+            if module == "fastapi" and multilabel:
+                servers["FastAPI /multilabel"] = (peer, "/multilabel", ml_png, "multi")
         capserve = Server(model, multilabel, tmp, CAPSERVE_MAX_BATCH_SIZE="32")
         started.append(capserve)
         servers["capserve /classify (BentoML)"] = (capserve, "/classify", png, "single")
