@@ -16,13 +16,13 @@ one thread: it takes little of the server's CPU) POSTing one 32×32 PNG as multi
 to one server at a time (the others paused with SIGSTOP), servers interleaved over ``--table-rounds`` rounds,
 medians printed: raw ONNX Runtime at batch 32 in-process, then requests/s at concurrency 32 (÷ raw), p50 at
 concurrency 1 and the server's CPU time per request, for a plain FastAPI + ONNX Runtime server (one image per run,
-``benchmarks/peers/fastapi_server.py``), LitServe with dynamic batching (max 32, 5 ms,
-``benchmarks/peers/litserve_server.py``), and capserve's ``/classify`` and ``/multilabel`` (each against its own
-model's raw figure). The peers are benchmark tools, not capserve dependencies. Set-up, once::
+``benchmarks/peers/fastapi_server.py``: ``/classify``, and ``/multilabel`` on the multi-label model), LitServe with
+dynamic batching (max 32, 5 ms, ``benchmarks/peers/litserve_server.py``), and capserve's ``/classify`` and
+``/multilabel`` (each ``/multilabel`` against the multi-label model's raw figure). The peers are benchmark tools, not capserve dependencies. Set-up, once::
 
     apt-get install -y wrk                                  # or build it from https://github.com/wg/wrk
     .venv/bin/pip install fastapi uvicorn litserve           # the peers (a missing one is skipped with a note)
-    python benchmarks/bench_http.py --table-only             # the table alone (about 2 minutes)
+    python benchmarks/bench_http.py --table-only             # the table alone (about 3 minutes)
 """
 
 from __future__ import annotations
