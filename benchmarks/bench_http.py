@@ -18,7 +18,8 @@ medians printed: raw ONNX Runtime at batch 32 in-process, then requests/s at con
 concurrency 1 and the server's CPU time per request, for a plain FastAPI + ONNX Runtime server (one image per run,
 ``benchmarks/peers/fastapi_server.py``: ``/classify``, and ``/multilabel`` on the multi-label model), LitServe with
 dynamic batching (max 32, 5 ms, ``benchmarks/peers/litserve_server.py``), and capserve's ``/classify`` and
-``/multilabel`` (each ``/multilabel`` against the multi-label model's raw figure). The peers are benchmark tools, not capserve dependencies. Set-up, once::
+``/multilabel`` (each ``/multilabel`` against the multi-label model's raw figure). The peers are benchmark tools,
+not capserve dependencies. Set-up, once::
 
     apt-get install -y wrk                                  # or build it from https://github.com/wg/wrk
     .venv/bin/pip install fastapi uvicorn litserve           # the peers (a missing one is skipped with a note)
