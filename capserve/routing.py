@@ -178,8 +178,8 @@ def fused_block(u: Tensor, w: Tensor, q: Tensor) -> Tensor:
 
 def _fused(u: Tensor, w: Tensor, q: Tensor) -> Tensor | None:
     """``fused_block(u, w, q)`` compiled for these shapes (the first call of a shape compiles it, one thread at a
-    time); None when fusing is off, or when compiling fails: then with a warning, once, and the steps run eagerly, as
-    everywhere ``torch.compile`` cannot build."""
+    time); None when compiling fails, with a warning the first time: the steps then run eagerly, as everywhere
+    ``torch.compile`` cannot build."""
     key = (tuple(u.shape), tuple(w.shape), u.dtype)
     kernel = _FUSED_KERNELS.get(key)
     if kernel is not None:
@@ -194,7 +194,7 @@ def _fused(u: Tensor, w: Tensor, q: Tensor) -> Tensor | None:
         try:
             out = kernel(u, w, q)
         except Exception as e:  # torch.compile raises its backends' own types (no C++ compiler, unsupported platform)
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            reason = (str(e).strip().splitlines() or [""])[0]
             log.warning("attention routing runs without its fused kernel: torch.compile failed here (%s: %s); set "
                         "CAPSERVE_FUSED_ROUTING=0 to skip the attempt", type(e).__name__, reason)  # fmt: skip
             _FUSED_STATE["failed"] = True
@@ -211,14 +211,14 @@ def _fusable(children: Tensor, weight: Tensor, votes: int) -> bool:
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing())  # fmt: skip
 
 
-def _fused_rows(u: Tensor, weight: Tensor, q: Tensor, coefficient_bytes: int) -> tuple[list[Tensor], int]:
-    """The full fused blocks of a step: their sums (n, D_out, J), and how many rows they cover from the first (0
-    where the kernel is off or cannot compile: the eager blocks then do every row)."""
+def _fused_rows(u: Tensor, w: Tensor, q: Tensor, coefficient_bytes: int) -> tuple[list[Tensor], int]:
+    """The full fused blocks of a step (u (BP, N, r, X), w (N, X, Y, J), q (BP, r, Y, J)): their sums (n, D_out, J),
+    and how many rows they cover from the first (0 where the kernel is off or cannot compile: the eager blocks then
+    do every row)."""
     if os.environ.get("CAPSERVE_FUSED_ROUTING", "1") == "0":
         return [], 0
     # at least two rows a block: the kernel's parallel loops are over its rows
     block = max(2, FUSED_BLOCK_BYTES // coefficient_bytes)
-    w = weight.permute(0, 2, 3, 1).contiguous()  # (N, X, Y, J)
     sums: list[Tensor] = []
     for start in range(0, u.shape[0] - block + 1, block):
         s = _fused(u[start : start + block], w, q[start : start + block])  # (n, r, Y, J)
@@ -262,7 +262,9 @@ def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: N
         done = 0
         if inplace and not keep_coefficients and _fusable(children, weight, rows * N * J * D_out):
             coefficient_bytes = N * J * children.element_size()  # per row
-            sums, done = _fused_rows(u.view(rows, N, r, -1), weight, q.view(rows, r, Y, J), coefficient_bytes)
+            # fused_block's layouts are views of the eager step's: (BP, N, r, X), (N, X, Y, J), (BP, r, Y, J)
+            sums, done = _fused_rows(u.view(rows, N, r, -1), w.view(N, -1, Y, J), q.view(rows, r, Y, J),
+                                     coefficient_bytes)  # fmt: skip
         block = block_rows(row_bytes)
         blocks = [(start, min(start + block, rows)) for start in range(done, rows, block)]
         size = N * min(block, rows - done) * J * D_out
