@@ -222,8 +222,9 @@ def _json_response(status: int, message: str) -> tuple[dict[str, Any], dict[str,
 class RequestGuard:
     """ASGI middleware in front of BentoML: a body size limit (413) and the image routes' body formats.
 
-    The image routes take a multipart form (the API's parameters, the image(s) as file fields) or a raw ``image/*``
-    (or ``application/octet-stream``) body with the other parameters in the query string. The body is parsed
+    The image routes take a multipart form (the API's parameters, the image(s) as file fields; parameters may also
+    be in the query string) or a raw ``image/*`` (or ``application/octet-stream``) body with the other parameters in
+    the query string. The body is parsed
     here, once: malformed forms and file fields sent as text (which BentoML would fetch as URLs) get a 400, and any
     other content type a 415. BentoML then receives the parameters as JSON, each image as a token for the bytes
     parsed here (``guarded_upload``), instead of parsing the form a second time and writing each upload to a
@@ -305,6 +306,16 @@ class RequestGuard:
                 if isinstance(parsed[0], int):
                     return await self._reply(send, *parsed)
                 parameters, images = parsed
+                # parameters may come in the query string as well (``curl -F image=@x.png '…/classify?top_k=1'``)
+                try:
+                    query = self._query_parameters(scope.get("query_string", b""), field)
+                except ValueError as e:
+                    return await self._reply(send, 400, str(e))
+                twice = sorted(name for name in query if name in parameters and query[name] != parameters[name])
+                if twice:
+                    return await self._reply(send, 400, f"{', '.join(twice)}: given in the form and in the query "
+                                                        "string with different values; give it once")  # fmt: skip
+                parameters = {**query, **parameters}
             elif not body:
                 return await self._reply(send, 400, f"the request body is empty; send an image as the multipart "
                                                     f"file field {field!r} or as a raw image/* body")  # fmt: skip

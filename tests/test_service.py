@@ -202,6 +202,12 @@ def test_raw_body_and_top_k(server):
     raw = server.post("/classify?top_k=3", content=data, headers={"content-type": "image/png"})
     assert raw.status_code == 200, raw.text
     assert raw.json() == multipart and len(multipart["predictions"]) == 3
+    # a multipart upload with its parameters in the query string (it was ignored: five predictions came back)
+    mixed = server.post("/classify?top_k=3", **upload(data))
+    assert mixed.status_code == 200, mixed.text
+    assert mixed.json() == multipart
+    same_twice = server.post("/classify?top_k=3", **upload(data), data={"top_k": "3"})
+    assert same_twice.status_code == 200 and same_twice.json() == multipart
 
 
 def test_a_bad_image_in_a_batch_is_named_by_its_position(server):
@@ -497,6 +503,9 @@ BAD_INPUTS = {
     "threshold-big": (PARAMETER, "/multilabel?threshold=1.5", RAW_PNG),
     "threshold-nan": (PARAMETER, "/multilabel?threshold=nan", RAW_PNG),
     "bad-query-name": (PARAMETER, "/classify?a%0d%0ab=1", RAW_PNG),
+    "bad-query-name-multipart": (PARAMETER, "/classify?a%0d%0ab=1", upload(GOOD)),
+    "top-k-query-multipart": (PARAMETER, "/classify?top_k=0", upload(GOOD)),
+    "top-k-form-and-query-differ": (PARAMETER, "/classify?top_k=2", dict(**upload(GOOD), data={"top_k": "3"})),
     "json-content-type": (MEDIA, "/classify", dict(json={"image": "x"})),
     "text-content-type": (MEDIA, "/explain", dict(content=b"abc", headers={"content-type": "text/plain"})),
     "malformed-multipart": (FORM, "/classify", dict(content=b'--xyz\r\nContent-Disposition: form-data; name="image"',
