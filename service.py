@@ -74,4 +74,5 @@ class CapsuleService:
 CapsuleService.add_asgi_middleware(serving.RequestGuard, max_bytes=SETTINGS.max_bytes,
                                    file_fields=serving.FILE_FIELDS, get_routes=("/model",),
                                    unavailable=serving.unavailable_routes(SETTINGS),
-                                   list_fields=serving.LIST_FIELDS)  # fmt: skip
+                                   list_fields=serving.LIST_FIELDS,
+                                   parameters=serving.route_parameters(CapsuleService.apis))  # fmt: skip

@@ -232,11 +232,13 @@ class RequestGuard:
     """
 
     def __init__(self, app: Any, max_bytes: int, file_fields: Mapping[str, str], get_routes: tuple[str, ...] = (),
-                 unavailable: Mapping[str, str] | None = None,
-                 list_fields: frozenset[str] = frozenset()):  # fmt: skip
+                 unavailable: Mapping[str, str] | None = None, list_fields: frozenset[str] = frozenset(),
+                 parameters: Mapping[str, frozenset[str]] | None = None):  # fmt: skip
         self.app, self.max_bytes, self.file_fields, self.get_routes = app, max_bytes, dict(file_fields), get_routes
         self.unavailable = dict(unavailable or {})  # route → the 501 message (``unavailable_routes``)
         self.list_fields = list_fields  # file fields that take a list of images
+        # route → its API's parameter names (``route_parameters``): any other name is a 400, not silently ignored
+        self.parameters = dict(parameters or {})
 
     @staticmethod
     def _body_once(body: bytes, then: Any = None) -> Any:
@@ -323,6 +325,12 @@ class RequestGuard:
                 return await self._reply(send, 415, f"Content-Type {media or '(none)'!r} is not accepted here; send "
                                                     f"multipart/form-data with the file field {field!r}, or a raw "
                                                     "image/* body")  # fmt: skip
+            known = self.parameters.get(scope["path"].rstrip("/"))
+            unknown = sorted(set(parameters) - known) if known is not None else []
+            if unknown:
+                return await self._reply(send, 400, f"{', '.join(map(repr, unknown))}: not a parameter of "
+                                                    f"{scope['path'].rstrip('/')} (its parameters: "
+                                                    f"{', '.join(sorted(known - {field}))})")  # fmt: skip
             uploads = {f"{UPLOAD_TOKEN}{i}": image for i, image in enumerate(images)}
             _uploads.set(uploads)
             tokens = list(uploads)
@@ -1056,6 +1064,11 @@ def unavailable_routes(settings: Settings) -> dict[str, str]:
     if settings.multilabel_model.strip().lower() == "none":
         return dict.fromkeys(MULTILABEL_ROUTES, NO_MULTILABEL_MODEL)
     return {}
+
+
+def route_parameters(apis: Mapping[str, Any]) -> dict[str, frozenset[str]]:
+    """Each BentoML API's route → its parameter names (the fields of its input model), for ``RequestGuard``."""
+    return {api.route: frozenset(api.input_spec.model_fields) for api in apis.values()}
 
 
 FILE_FIELDS = {"/classify": "image", "/classify_batch": "images", "/multilabel": "image", "/explain": "image"}
