@@ -27,6 +27,7 @@ BATCH = dict(batchable=True, max_batch_size=max(SETTINGS.max_batch_size, 2), max
 class CapsuleService:
     def __init__(self) -> None:
         self.capsules = serving.Capsules(SETTINGS)  # loads and warms up; a failure stops the server (status 3)
+        serving.freeze_startup_heap()  # the garbage collector then skips what start-up left (libraries, models)
 
     def __is_ready__(self) -> bool:
         return self.capsules.ready

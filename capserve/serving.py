@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import gc
 import io
 import json
 import logging
@@ -599,9 +600,13 @@ def has_routing(runtime: Runtime) -> bool:
     return runtime.metadata.iterations is not None
 
 
-def top_labels(probabilities: np.ndarray, labels: tuple[str, ...], k: int) -> list[Label]:
-    order = np.argsort(-probabilities, kind="stable")[:k]
-    return [Label(label=labels[i], index=int(i), probability=float(probabilities[i])) for i in order]
+def top_labels(probabilities: np.ndarray, labels: tuple[str, ...], k: int, passed: np.ndarray | None = None
+               ) -> list[Label]:  # fmt: skip
+    """The ``k`` most probable labels (of those ``passed``, a boolean mask, when given), most probable first."""
+    order = np.argsort(-probabilities, kind="stable")
+    if passed is not None:
+        order = order[passed[order]]
+    return [Label(label=labels[i], index=int(i), probability=float(probabilities[i])) for i in order[:k]]
 
 
 # ---------------------------------------------------------------------------- request errors
@@ -686,6 +691,15 @@ def prepare_server_process() -> None:
         folder = tempfile.mkdtemp(prefix="capserve-metrics-")
         BentoMLContainer.prometheus_multiproc_dir.set(folder)
         atexit.register(shutil.rmtree, folder, True)
+
+
+def freeze_startup_heap() -> None:
+    """Exempt every object the server process holds once it has started (libraries, models, warm-up) from Python's
+    cyclic garbage collector (``gc.freeze``). Its full collections otherwise walk those long-lived objects over and
+    over under load: 14 % of the event loop's CPU per ``/multilabel`` request (README "Where the time went", item 6).
+    Called by the service once its models are loaded; requests' own objects are collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def untraced_without_exporter() -> bool:
@@ -852,12 +866,27 @@ class Capsules:
             if self._pending[multilabel] == 1:
                 batch_size_histogram().labels(endpoint=ENDPOINTS[multilabel]).observe(1)
                 return await self.run(decode_and_predict)
-            pixels = await self.run(decode, image, runtime, max_pixels)
+            pixels = self.decode_small(image, runtime)
+            if pixels is None:
+                pixels = await self.run(decode, image, runtime, max_pixels)
             if multilabel not in self._batchers:  # created on first use: the engine binds to the running event loop
                 self._batchers[multilabel] = self._batcher(runtime, multilabel)
             return await self._batchers[multilabel](pixels[None])
         finally:
             self._pending[multilabel] -= 1
+
+    def decode_small(self, image: Upload, runtime: Runtime) -> np.ndarray | None:
+        """``image`` decoded right here, on the event loop, when it is small (``INLINE_DECODE_BYTES``,
+        ``INLINE_DECODE_PIXELS``); None when it is larger: a worker thread decodes it. Bad images raise as
+        ``decode`` does."""
+        if not isinstance(image, bytes) or len(image) > INLINE_DECODE_BYTES:
+            return None
+        try:
+            return decode(image, runtime, min(self.settings.max_pixels, INLINE_DECODE_PIXELS))
+        except RequestError as e:
+            if isinstance(e.__cause__, images.ImageTooLargeError):
+                return None  # only too large to decode here: a worker thread checks it against the real limit
+            raise self.error(e) from e
 
     def _batcher(self, runtime: Runtime, multilabel: bool) -> Any:
         """BentoML's adaptive batching engine (the CorkDispatcher behind batchable APIs) around ``runtime``.
@@ -934,8 +963,7 @@ class Capsules:
             thresholds = np.full(len(meta.labels), threshold)
         else:
             thresholds = np.array(meta.thresholds if meta.thresholds is not None else [0.5] * len(meta.labels))
-        passed = [label for label in top_labels(probabilities, meta.labels, len(meta.labels))
-                  if probabilities[label.index] >= thresholds[label.index]]  # fmt: skip
+        passed = top_labels(probabilities, meta.labels, len(meta.labels), probabilities >= thresholds)
         return MultiLabel(
             model=meta.name, iterations=meta.iterations, threshold=threshold, labels=passed,
             probabilities={name: float(p) for name, p in zip(meta.labels, probabilities, strict=True)},
@@ -1004,6 +1032,12 @@ class Capsules:
             "versions": {"capserve": self.runtime.metadata.capserve_version, "bentoml": bentoml.__version__},
         }
 
+
+# An upload at most this large decodes on the event loop under load (≈ 0.05–0.15 ms for a 32×32 to 64×64 PNG or
+# JPEG), where the hops to a worker thread and back cost more than the decoding; a larger one decodes in a worker
+# thread, beside the event loop (README "Where the time went", item 5).
+INLINE_DECODE_BYTES = 64 * 1024
+INLINE_DECODE_PIXELS = 64 * 64
 
 BATCHES_IN_FLIGHT = 2  # adaptive batches run at once on a separate ONNX Runtime CPU session (batch_runtime)
 

@@ -312,7 +312,9 @@ def test_model_metadata(server):
 
 
 def test_concurrent_requests_equal_unbatched(server, models):
-    datas = [random_png(100 + i) for i in range(64)]
+    """64 concurrent uploads, batched, answer as each alone would: those up to 64×64 pixels are decoded on the event
+    loop, the larger ones (100×75, 7,500 pixels) in a worker thread."""
+    datas = [random_png(100 + i, (100, 75) if i % 4 == 0 else (32, 32)) for i in range(64)]
     runtime = load_runtime(models["cifar10"] / "model.onnx")  # batch of 1 each: the unbatched answers
     expected = [softmax(runtime.predict(images.preprocess(d, runtime.metadata))[0]) for d in datas]
 
@@ -393,6 +395,30 @@ def test_requests_skip_opentelemetry_only_without_a_tracing_exporter():
         tracing.excluded_urls.set(saved[1])
 
 
+def test_the_heap_frozen_at_start_up_still_collects_what_requests_leave():
+    """The service exempts what start-up allocated from the cyclic garbage collector (``gc.freeze``); garbage made
+    afterwards, by requests, must still be collected (a server that stopped collecting would grow without bound)."""
+    import gc
+    import weakref
+
+    from capserve.serving import freeze_startup_heap
+
+    class Node:
+        pass
+
+    try:
+        freeze_startup_heap()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+        node = Node()
+        node.self = node  # a reference cycle: only the cyclic collector frees it
+        alive = weakref.ref(node)
+        del node
+        gc.collect()
+        assert alive() is None
+    finally:
+        gc.unfreeze()
+
+
 def test_bad_images_among_concurrent_requests_fail_alone(server, models):
     """Under load, with adaptive batching on: a bad image fails its own request with its README status, and the
     good ones sent with it, batched, still equal unbatched answers."""
@@ -412,6 +438,8 @@ def test_bad_images_among_concurrent_requests_fail_alone(server, models):
     responses = asyncio.run(send_all())
     assert [r.status_code for r in responses] == [status for _, status in requests], [r.text for r in responses]
     for r, (data, status) in zip(responses, requests, strict=True):
+        if status == 413:  # against the server's limit, not the smaller one for decoding on the event loop
+            assert f"the limit is {MAX_PIXELS:,} pixels" in error_of(r)
         if status != 200:
             assert error_of(r)
             continue
