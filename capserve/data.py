@@ -35,15 +35,16 @@ DiverseMultiMNIST (Tsai et al. 2020, after Sabour et al. 2017's MultiMNIST). Cho
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
 import pickle
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -475,3 +476,15 @@ def load_validation(dataset: str, root: str | Path, val_size: int | float) -> Sp
     if data.val is None:
         raise ValueError("this checkpoint was trained without a validation split (--val-size 0)")
     return data.val
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, desc: str) -> Iterator[Any]:
+    """A tqdm bar over ``total`` images. Log records (a warning from the model, say) print on lines of their own
+    above it, instead of at the end of the bar's line."""
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(), tqdm(total=total, desc=desc, unit="img", mininterval=0.5, leave=True,
+                                       dynamic_ncols=True) as bar:  # fmt: skip
+        yield bar

@@ -23,6 +23,7 @@ already does this at its end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -35,7 +36,7 @@ from torch import Tensor
 
 from capserve.checkpoint import CONFIG, load, save_model
 from capserve.configs import ModelConfig
-from capserve.data import Split, dataset_for, load_test, load_validation
+from capserve.data import Split, dataset_for, load_test, load_validation, progress_bar
 from capserve.model import Model
 from capserve.preprocess import normalize
 from capserve.userdata import (
@@ -54,12 +55,6 @@ from capserve.userdata import (
 log = logging.getLogger(__name__)
 
 THRESHOLD_GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05 … 0.95
-
-
-def _progress(total: int, desc: str):  # type: ignore[no-untyped-def]
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="img", mininterval=0.5, leave=True, dynamic_ncols=True)
 
 
 @torch.no_grad()
@@ -82,13 +77,11 @@ def predict_batches(model: Model, batches: Iterable[Tensor], iterations: Sequenc
 
 
 def _slices(split: Split, batch_size: int, desc: str | None = None) -> Iterator[Tensor]:
-    bar = _progress(len(split), desc) if desc else None
-    for start in range(0, len(split), batch_size):
-        yield split.images[start : start + batch_size]
-        if bar is not None:
-            bar.update(min(batch_size, len(split) - start))
-    if bar is not None:
-        bar.close()
+    with progress_bar(len(split), desc) if desc else contextlib.nullcontext() as bar:
+        for start in range(0, len(split), batch_size):
+            yield split.images[start : start + batch_size]
+            if bar is not None:
+                bar.update(min(batch_size, len(split) - start))
 
 
 def predict_logits(model: Model, split: Split, iterations: int | None = None, batch_size: int = 250,

@@ -44,7 +44,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from capserve.data import Split, has_builtin_files, resolve_val_size
+from capserve.data import Split, has_builtin_files, progress_bar, resolve_val_size
 from capserve.images import ImageError, InputSpec, load_image
 
 log = logging.getLogger(__name__)
@@ -333,12 +333,6 @@ class FailureLog:
                         self.source, first)  # fmt: skip
 
 
-def _progress(total: int, desc: str):  # type: ignore[no-untyped-def]
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="img", mininterval=0.5, leave=True, dynamic_ncols=True)
-
-
 def iter_decoded(samples: Sequence[Sample], spec: InputSpec, failures: FailureLog, batch_size: int = 256,
                  desc: str = "decoding", workers: int | None = None,
                  ) -> Iterator[tuple[np.ndarray, list[int]]]:  # fmt: skip
@@ -348,7 +342,7 @@ def iter_decoded(samples: Sequence[Sample], spec: InputSpec, failures: FailureLo
     is held at a time.
     """
     workers = workers or min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(workers) as pool, _progress(len(samples), desc) as bar:
+    with ThreadPoolExecutor(workers) as pool, progress_bar(len(samples), desc) as bar:
         for start in range(0, len(samples), batch_size):
             chunk = samples[start : start + batch_size]
             arrays, kept = [], []

@@ -236,3 +236,24 @@ def test_training_splits(tmp_path):
     assert len(c.train) == 40 and len(c.val) == 10
     with pytest.raises(ValueError, match="val-size"):
         data.load_training("cifar10", tmp_path / "c", val_size=50)
+
+
+def test_a_warning_during_a_progress_bar_prints_on_its_own_line():
+    """`capserve evaluate` logs warnings (such as routing's fused kernel failing to build) while its bar is drawn:
+    the warning must start a line of its own, not trail the bar's text."""
+    import re
+    import subprocess
+    import sys
+
+    script = """
+import logging
+from capserve.data import progress_bar
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")  # as the CLI does
+with progress_bar(10, "scoring") as bar:
+    bar.update(5)
+    logging.getLogger("capserve.routing").warning("a warning during the bar")
+    bar.update(5)
+"""
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stderr
+    assert "scoring" in err and "10/10" in err  # the bar was drawn, and finished
+    assert re.search(r"(^|[\r\n])WARNING a warning during the bar\n", err), repr(err)
