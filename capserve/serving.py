@@ -1034,8 +1034,8 @@ class Capsules:
 
 
 # An upload at most this large decodes on the event loop under load (≈ 0.05–0.15 ms for a 32×32 to 64×64 PNG or
-# JPEG), where the hops to a worker thread and back cost more than the decoding; a larger one decodes in a worker
-# thread, beside the event loop (README "Where the time went", item 5).
+# JPEG), saving the hops to a worker thread and back: +10 % req/s on /multilabel at concurrency 32 (README "Where
+# the time went", item 5). A larger one decodes in a worker thread, beside the event loop.
 INLINE_DECODE_BYTES = 64 * 1024
 INLINE_DECODE_PIXELS = 64 * 64
 
