@@ -3,7 +3,7 @@
     python benchmarks/bench_data.py --cifar /work/shared/data --images 10000 --steps 30
 
 1. Writes ``--images`` CIFAR-10 training pictures (32×32) as PNG files into label folders (``DIR/<label>/*.png``).
-2. Builds the uint8 cache from them (``capserve.userdata.build_cache``: decode through ``capserve.images``, the
+2. Builds the uint8 cache from them (``capserve.data.own.build_cache``: decode through ``capserve.data.images``, the
    service's preprocessing) and reports images/s; then reads the cache back (the path a second run takes).
 3. Trains ``--model`` for ``--steps`` steps (batch ``--batch-size``) from the folder (the cache; the first run
    builds it, the later ones reuse it) and from the built-in CIFAR-10 tensors, interleaved ``--repeats`` times
@@ -28,14 +28,17 @@ import numpy as np
 import torch
 from PIL import Image
 
-from capserve import data, userdata
 from capserve.configs import CIFAR10_LABELS
-from capserve.train import TrainConfig, train
+from capserve.data.builtin import load_cifar10
+from capserve.data.own import CACHE_FILE, InputSize, build_cache, scan
+from capserve.data.splits import Split
+from capserve.train.config import TrainConfig
+from capserve.train.loop import train
 
 VAL_SIZE = 500  # validation images carved from the training images in both runs
 
 
-def write_pngs(split: data.Split, root: Path, n: int) -> float:
+def write_pngs(split: Split, root: Path, n: int) -> float:
     """The first ``n`` images as PNGs in label folders; returns seconds."""
     t0 = time.perf_counter()
     for label in CIFAR10_LABELS:
@@ -66,17 +69,17 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-data-"))
     try:
-        cifar_train = data.load_cifar10(args.cifar, train=True)
+        cifar_train = load_cifar10(args.cifar, train=True)
         folder = work / "pngs"
         write_s = write_pngs(cifar_train, folder, args.images)
-        manifest = userdata.scan(folder)
-        spec = userdata.InputSize(3, 32)
+        manifest = scan(folder)
+        spec = InputSize(3, 32)
         cache = work / "cache.safetensors"
         t0 = time.perf_counter()
-        built = userdata.build_cache(manifest, manifest.labels, spec, cache)
+        built = build_cache(manifest, manifest.labels, spec, cache)
         build_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        reused = userdata.build_cache(manifest, manifest.labels, spec, cache)
+        reused = build_cache(manifest, manifest.labels, spec, cache)
         reuse_s = time.perf_counter() - t0
         assert reused.from_cache and torch.equal(reused.splits["train"].images, built.splits["train"].images)
         n = len(built.splits["train"])
@@ -92,7 +95,7 @@ def main() -> None:
             own_out, builtin_out = work / f"own-{r}", work / f"builtin-{r}"
             if r:  # the first run decodes (with its validation carve) into its cache; the others reuse it
                 own_out.mkdir(parents=True)
-                shutil.copy(work / "own-0" / userdata.CACHE_FILE, own_out / userdata.CACHE_FILE)
+                shutil.copy(work / "own-0" / CACHE_FILE, own_out / CACHE_FILE)
             train(TrainConfig(data=str(folder), out=str(own_out), val_size=VAL_SIZE, **common))
             own_runs.append(images_per_s(own_out))
             train(TrainConfig(data=str(args.cifar), out=str(builtin_out), val_size=VAL_SIZE, **common))

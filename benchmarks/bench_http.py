@@ -54,16 +54,16 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from capserve import images  # noqa: E402
+from capserve.data.preprocess import normalize_images  # noqa: E402
 from capserve.runtime import Runtime, load_runtime  # noqa: E402
 
 
 def random_model(directory: Path) -> Path:
     """A random-weight cifar10-resnet with its ONNX graphs (when the shipped model is not there)."""
     import torch
-    from capserve.export.onnx import export_onnx
 
     import capserve
+    from capserve.export.onnx import export_onnx
 
     torch.manual_seed(0)
     model = capserve.create_model("cifar10-resnet").eval()
@@ -125,14 +125,14 @@ def _raw_throughput(model: Path, configs: list[str], batch_sizes: list[int], sec
     meta = next(iter(runtimes.values())).metadata
     result: dict[str, dict[str, float]] = {config: {} for config in configs}
     for B in batch_sizes:
-        x = images.normalize_images(np.random.default_rng(B).integers(0, 256, (B, *meta.input_shape), np.uint8), meta)
+        x = normalize_images(np.random.default_rng(B).integers(0, 256, (B, *meta.input_shape), np.uint8), meta)
         medians = interleaved({c: (lambda r=r, x=x: r.predict(x)) for c, r in runtimes.items()}, seconds)
         for config, median in medians.items():
             result[config][f"predict@{B}"] = B / median
     if explain:
         has_graph = (model / "model-explain.onnx").is_file()
         explainers = {c: open_runtime(model, c, explain=True) if has_graph else r for c, r in runtimes.items()}
-        x = images.normalize_images(np.zeros((1, *meta.input_shape), np.uint8), meta)
+        x = normalize_images(np.zeros((1, *meta.input_shape), np.uint8), meta)
         medians = interleaved({c: (lambda r=r: r.explain(x)) for c, r in explainers.items()}, seconds)
         for config, median in medians.items():
             result[config]["explain@1"] = 1 / median
@@ -332,7 +332,7 @@ class RawMeter:
         self.inputs = {}
         for key, runtime in self.runtimes.items():
             pixels = np.random.default_rng(0).integers(0, 256, (32, *runtime.metadata.input_shape), np.uint8)
-            self.inputs[key] = images.normalize_images(pixels, runtime.metadata)  # (32, C, H, W)
+            self.inputs[key] = normalize_images(pixels, runtime.metadata)  # (32, C, H, W)
             runtime.predict(self.inputs[key])  # warm-up
 
     def __call__(self, key: str, seconds: float) -> float:

@@ -49,6 +49,8 @@ import time
 import torch
 from torch import nn
 
+from capserve.routing.fused import _FUSED_KERNELS, _FUSED_STATE
+
 
 def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -165,9 +167,8 @@ ONNX_VARIANTS = (("whole batch", None, True), ("whole, no arena", None, False), 
 
 
 def export_for_peak(name: str, iterations: int, folder: str) -> str:
-    from capserve.export.onnx import export_onnx
-
     import capserve
+    from capserve.export.onnx import export_onnx
 
     torch.manual_seed(0)
     model = capserve.create_model(name).eval()
@@ -249,15 +250,15 @@ def print_peak_rows(name: str, eager: list[tuple[int, int]], onnx: list[tuple[in
 
 def fused_kernel_state() -> str:
     """Whether the big routing steps ran fused in this process (timed above after their warm-up call compiled)."""
-    from capserve import routing
+    pass
 
     if os.environ.get("CAPSERVE_FUSED_ROUTING", "1") == "0":
         return "off (CAPSERVE_FUSED_ROUTING=0)"
-    if routing._FUSED_STATE["failed"]:
+    if _FUSED_STATE["failed"]:
         return "off (torch.compile failed here; see the warning above)"
-    if not routing._FUSED_KERNELS:
-        return "not used (no step big enough, see routing.FUSED_MIN_VOTES)"
-    return f"on, compiled for {len(routing._FUSED_KERNELS)} block shape(s)"
+    if not _FUSED_KERNELS:
+        return "not used (no step big enough, see FUSED_MIN_VOTES)"
+    return f"on, compiled for {len(_FUSED_KERNELS)} block shape(s)"
 
 
 def main() -> None:

@@ -30,11 +30,11 @@ import numpy as np
 import torch
 from bench_model import export_for_peak, onnx_peak_rss_mb, peak_rss_mb
 from bench_runtime import interleaved_medians
-from capserve.export.onnx import export_onnx
 
 import capserve
 from capserve.cli import parameter_count
 from capserve.configs import CIFAR10_LABELS, ROUTING_ALGORITHMS
+from capserve.export.onnx import export_onnx
 from capserve.runtime.onnx_backend import OnnxRuntime
 
 CNN_ROWS = ("cifar10-simple-cnn", "cifar10-resnet18")

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from capserve.export.onnx import export_onnx
 
 import capserve
+from capserve.export.onnx import export_onnx
 from capserve.runtime.onnx_backend import OnnxRuntime
 
 
@@ -63,8 +63,8 @@ def main() -> None:
     x1 = x64[:1].copy()
     test = None
     if args.cifar:
-        from capserve.data import load_cifar10
-        from capserve.preprocess import normalize
+        from capserve.data.builtin import load_cifar10
+        from capserve.data.preprocess import normalize
 
         split = load_cifar10(args.cifar, train=False)
         n = min(args.limit, len(split))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from capserve.checkpoint import CheckpointError, load, read_config
-from capserve.cnn import CNN
 from capserve.configs import MODELS, CapsuleLayerConfig, ModelConfig, get_config, list_models
-from capserve.model import CapsNet, Model, RoutingTrace, build_model
+from capserve.errors import CheckpointError
+from capserve.model.capsnet import CapsNet, RoutingTrace
+from capserve.model.checkpoint import read_config
+from capserve.model.cnn import CNN
+from capserve.model.factory import Model, build_model, load
 
 __version__ = "0.1.0"
 

@@ -8,12 +8,14 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
+from capserve.errors import UsageError
+
 if TYPE_CHECKING:
     from capserve.configs import ModelConfig
 
 # subcommand → (module, help); modules are imported only when their command runs
 COMMANDS = {
-    "train": ("capserve.train", "train a model (single GPU/CPU, or torchrun for DDP)"),
+    "train": ("capserve.train.cli", "train a model (single GPU/CPU, or torchrun for DDP)"),
     "evaluate": ("capserve.evaluate", "accuracy of a checkpoint on a test set, per routing iteration count"),
     "export": ("capserve.export.cli", "export a checkpoint to ONNX, or an ONNX file to a TensorRT engine"),
     "verify": ("capserve.export.verify", "compare an exported artifact with eager PyTorch"),
@@ -30,7 +32,7 @@ def parameter_count(config: ModelConfig) -> int:
     only: no memory, no initialisation)."""
     import torch
 
-    from capserve.model import build_model
+    from capserve.model.factory import build_model
 
     with torch.device("meta"):
         model = build_model(config)
@@ -52,10 +54,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:<30}{config.task:<14}{config.num_classes:>7}  {kind(config):<34}{config.backbone:<10}"
               f"{parameter_count(config):>12,}")  # fmt: skip
     return 0
-
-
-class UsageError(Exception):
-    """A mistake in the command line or its inputs: printed as one line, exit status 2, no traceback."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,15 +34,14 @@ MNIST_STD = (0.3081, 0.3081, 0.3081)
 Task = Literal["single_label", "multi_label"]
 # how parents are computed from children: "attention" is this package's inverted dot-product attention (Tsai et
 # al. 2020); the others are the paper's comparison systems, "dynamic" (Sabour et al. 2017) and "em" (Hinton et al.
-# 2018). Each brings its own layers, read-out and loss (capserve.model, capserve.losses).
+# 2018). Each brings its own layers, read-out and loss (capserve.model, capserve.routing.losses).
 RoutingAlgorithm = Literal["attention", "dynamic", "em"]
 ROUTING_ALGORITHMS: tuple[str, ...] = ("attention", "dynamic", "em")
-# what follows the backbone: "capsules" (a CapsNet), or a baseline CNN (capserve.cnn.CNN) whose conv layers have as
-# many neurons as the capsule layers they replace, read out by global average pooling ("avgpool") or by a learned
+# what follows the backbone: "capsules" (a CapsNet), or a baseline CNN (capserve.model.cnn.CNN) whose conv layers have
+# as many neurons as the capsule layers they replace, read out by global average pooling ("avgpool") or by a learned
 # fully connected layer over the flattened map in place of pooling ("fc"). CNNs have no routing.
 Head = Literal["capsules", "avgpool", "fc"]
 HEADS: tuple[str, ...] = ("capsules", "avgpool", "fc")
-BACKBONES: tuple[str, ...] = ("resnet", "simple", "resnet18")
 
 
 @dataclass(frozen=True)
@@ -114,8 +113,6 @@ class ModelConfig:
 
         if self.task not in ("single_label", "multi_label"):
             raise ValueError(f"task must be 'single_label' or 'multi_label', got {self.task!r}")
-        if self.backbone not in BACKBONES:
-            raise ValueError(f"backbone must be one of {BACKBONES}, got {self.backbone!r}")
         if self.head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
         if self.backbone == "resnet18" and (self.head == "capsules" or self.capsules):
@@ -227,7 +224,7 @@ _MULTIMNIST_SMALL = {**_MULTIMNIST, "backbone_channels": 256, "pose_dim": 16}
 
 # Dynamic routing (Sabour et al. 2017) in the same networks: vector poses squashed (primary capsules too; no
 # LayerNorm), coupling logits updated by agreement, all of a layer's rounds before the next layer (sequential), the
-# class capsule's length as its score, margin loss (capserve.losses), no reconstruction decoder (the seed paper's
+# class capsule's length as its score, margin loss (capserve.routing.dynamic), no reconstruction decoder (the paper's
 # CapsNet* comparison trains without one). T = 3 is the original paper's default. Where the seed paper does not give
 # the comparison's sizes, poses keep as many values as ours: 16-d vectors for 4×4, 36-d for 6×6, 64-d for 8×8.
 _DYNAMIC = dict(pose="vector", routing_algorithm="dynamic", routing="sequential", layer_norm=False, iterations=3)
@@ -254,7 +251,7 @@ MODELS: dict[str, ModelConfig] = {
         # CPU-trainable DiverseMultiMNIST variant: 256 backbone channels and 4×4 poses (0.6 M parameters
         # instead of 10 M), same layer structure as multimnist-matrix.
         ModelConfig("multimnist-matrix-small", pose="matrix", **_MULTIMNIST_SMALL),
-        # Baseline CNNs (capserve.cnn.CNN). DiverseMultiMNIST: the paper's "baseline CNN" (same backbone, conv
+        # Baseline CNNs (capserve.model.cnn.CNN). DiverseMultiMNIST: the paper's "baseline CNN" (same backbone, conv
         # layers with the neurons of the capsule layers they replace, average pooling; 79.81 %) and its CNN with a
         # learned fully connected layer in place of pooling (84.84 %, 42.49 M parameters in the paper); the layer
         # sizes are multimnist-matrix's (16 types × 64 = 1024 channels). The paper does not give its CNN's
@@ -328,6 +325,13 @@ MODELS: dict[str, ModelConfig] = {
         ModelConfig("multimnist-em-small", **_MULTIMNIST_EM_SMALL),
     )
 }
+
+
+def update_is_read(layer: int, iteration: int, layers: int, iterations: int) -> bool:
+    """Concurrent routing: whether layer ``layer`` (0-based, of ``layers`` routed layers) updated at iteration
+    ``iteration`` (1-based) reaches the logits of a T = ``iterations`` run. Layer i's update at t is read by layer
+    i+1 at t+1, so it reaches the output only if t <= T - (layers - 1 - i); later updates are skipped."""
+    return iteration <= iterations - (layers - 1 - layer)
 
 
 def list_models() -> list[str]:

@@ -11,7 +11,7 @@ evaluated once (its row's T is "-", ``--iterations`` is refused, no ``iterations
 
 ``--data`` is the built-in dataset's folder (its test split) or your own images: a folder (``test/`` when it has
 one, else every image) or a CSV (its ``test`` rows when it has a split column, else every row). Images are decoded
-by ``capserve.images`` (the service's preprocessing) one batch at a time and every T runs on that batch before the
+by ``capserve.data.images`` (the service's preprocessing) one batch at a time and every T runs on that batch before the
 next is decoded, so memory holds one batch of images and the (N, C) logits, however many images there are.
 
 ``--calibrate`` (multi-label): per-class thresholds that maximise each class's F1 on the *validation* split (the one
@@ -34,13 +34,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from capserve.checkpoint import CONFIG, load, save_model
 from capserve.configs import ModelConfig
-from capserve.data import Split, dataset_for, load_test, load_validation, progress_bar
-from capserve.model import Model
-from capserve.preprocess import normalize
-from capserve.userdata import (
-    DataError,
+from capserve.data.builtin import dataset_for, load_test, load_validation
+from capserve.data.own import (
     FailureLog,
     Manifest,
     Sample,
@@ -51,8 +47,16 @@ from capserve.userdata import (
     targets_for,
     with_validation,
 )
+from capserve.data.preprocess import normalize
+from capserve.data.progress import progress_bar
+from capserve.data.splits import Split
+from capserve.errors import DataError
+from capserve.model.checkpoint import CONFIG, save_model
+from capserve.model.factory import Model, load
+from capserve.plots import plot_confusion, plot_iterations
 
 log = logging.getLogger(__name__)
+
 
 THRESHOLD_GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05 … 0.95
 
@@ -227,63 +231,6 @@ def calibrate(checkpoint: str | Path, data: str | Path, batch_size: int = 250,
         thresholds = fit_thresholds(predict_logits(model, val, None, batch_size, device), val.targets)
     store_thresholds(checkpoint, model, thresholds)
     return thresholds
-
-
-def _pyplot(png: Path) -> Any:
-    """matplotlib.pyplot on the Agg backend, or None (with a log line naming ``png``) when it is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.info("matplotlib is not installed: skipping %s (pip install 'capserve[train]')", png)
-        return None
-    return plt
-
-
-def plot_iterations(results: dict[int, dict[str, Any]], key: str, png: Path, title: str) -> Path | None:
-    plt = _pyplot(png)
-    if plt is None:
-        return None
-    Ts = sorted(results)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(Ts, [100 * results[T][key] for T in Ts], marker="o")
-    ax.set_xlabel("routing iterations T")
-    ax.set_ylabel(f"{key} (%)")
-    ax.set_xticks(Ts)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
-
-
-def plot_confusion(confusion: list[list[int]], labels: Sequence[str], png: Path, title: str) -> Path | None:
-    """The confusion matrix as a PNG with the label names (rows true, columns predicted; counts for ≤ 30 labels)."""
-    plt = _pyplot(png)
-    if plt is None:
-        return None
-    C = len(labels)
-    side = min(4 + 0.45 * C, 40)
-    fig, ax = plt.subplots(figsize=(side, side))
-    ax.imshow(confusion, cmap="Blues")
-    ax.set_xticks(range(C), labels, rotation=90)
-    ax.set_yticks(range(C), labels)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    ax.set_title(title)
-    if C <= 30:
-        peak = max(max(row) for row in confusion) or 1
-        for i, row in enumerate(confusion):
-            for j, v in enumerate(row):
-                ax.text(j, i, str(v), ha="center", va="center", color="white" if v > peak / 2 else "black",
-                        fontsize=8)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
 
 
 DEFAULT_ITERATIONS = (1, 2, 3, 4, 5)

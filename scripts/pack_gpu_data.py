@@ -13,7 +13,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from capserve import data
+from capserve.data.builtin import load_cifar10, load_mnist, load_pack, pack_cifar
 
 
 def main() -> None:
@@ -27,16 +27,16 @@ def main() -> None:
     cifar = out / "cifar10"
     if cifar.exists():
         shutil.rmtree(cifar)
-    train = data.load_cifar10(args.data, train=True)
-    data.pack_cifar(train, cifar, "train", "cifar10", args.quality, args.subsampling)
-    back = data.load_pack(cifar, "train")
+    train = load_cifar10(args.data, train=True)
+    pack_cifar(train, cifar, "train", "cifar10", args.quality, args.subsampling)
+    back = load_pack(cifar, "train")
     err = (back.images.float() - train.images.float()).abs().mean().item()
     size = sum(f.stat().st_size for f in cifar.iterdir())
     print(f"CIFAR-10 train: {len(back)} images, {size / 2**20:.1f} MiB, mean |error| {err:.2f}/255, "
           f"labels equal: {bool((back.targets == train.targets).all())}")  # fmt: skip
     mnist = out / "mnist"
     mnist.mkdir(parents=True, exist_ok=True)
-    digits, _ = data.load_mnist(args.data, train=True)  # validates the files before copying
+    digits, _ = load_mnist(args.data, train=True)  # validates the files before copying
     for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"):
         src = next(Path(args.data).rglob(name + ".gz"), None) or next(Path(args.data).rglob(name))
         shutil.copy(src, mnist / src.name)

@@ -1,53 +1,13 @@
-"""Shared test helpers: small instances of every named configuration, and the device to test on."""
+"""Fixtures shared by every test folder. Plain helpers (tiny models, a served test server, data writers, the
+real-image fixtures) live in ``tests/support/``; test modules never import each other or this file."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
-
 import pytest
-import torch
-
-import capserve
-from capserve.configs import CapsuleLayerConfig
-
-DEVICE = torch.device(os.environ.get("CAPSERVE_TEST_DEVICE", "cpu"))
-
-
-def tiny_overrides(name: str) -> dict:
-    """Overrides that shrink a named config to a few thousand parameters, keeping its structure."""
-    config = capserve.get_config(name)
-    layers = tuple(
-        dataclasses.replace(layer, types=min(layer.types, 4 if layer.kind == "conv" else 5))
-        for layer in config.capsules
-    )
-    return dict(
-        backbone_channels=8,
-        primary_types=4,
-        pose_dim=16 if config.pose == "matrix" else 6,
-        capsules=layers,
-    )
-
-
-def tiny_model(name: str, **overrides) -> capserve.Model:
-    torch.manual_seed(0)
-    return capserve.create_model(name, **{**tiny_overrides(name), **overrides}).to(DEVICE).eval()
-
-
-def tiny_input(model: capserve.Model, batch: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    c = model.config
-    return torch.randn(batch, c.in_channels, c.image_size, c.image_size, generator=g).to(DEVICE)
-
-
-# the capsule networks (routing, traces); the baseline CNNs have tests of their own (test_baselines.py)
-CAPSULE_MODELS = [name for name in capserve.list_models() if capserve.get_config(name).has_routing]
-CNN_MODELS = [name for name in capserve.list_models() if not capserve.get_config(name).has_routing]
+from support.models import CAPSULE_MODELS
 
 
 @pytest.fixture(params=CAPSULE_MODELS)
 def model_name(request) -> str:
+    """Each capsule network configuration (the baseline CNNs have tests of their own)."""
     return request.param
-
-
-__all__ = ["CAPSULE_MODELS", "CNN_MODELS", "DEVICE", "CapsuleLayerConfig", "tiny_input", "tiny_model", "tiny_overrides"]

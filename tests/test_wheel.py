@@ -22,12 +22,11 @@ CIFAR10 = ROOT / "models" / "cifar10"
 
 
 def source_modules() -> set[str]:
-    """Every module the checkout has, named as installed (export/ installs as capserve.export)."""
+    """Every module the checkout has, named as installed."""
     names = set()
-    for base, prefix in ((ROOT / "capserve", "capserve"), (ROOT / "export", "capserve.export")):
-        for path in base.rglob("*.py"):
-            parts = [prefix, *path.relative_to(base).with_suffix("").parts]
-            names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    for path in (ROOT / "capserve").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return names
 
 

@@ -12,7 +12,9 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from capserve.runtime.base import Explanation, InputError, ModelMetadata, Runtime, RuntimeLoadError
+from capserve.errors import InputError, RuntimeLoadError
+from capserve.runtime.base import Explanation, Runtime
+from capserve.runtime.metadata import ModelMetadata
 
 # backend name → "module:class"; imported on first use so that torch-only installs never import onnxruntime
 BACKENDS = {

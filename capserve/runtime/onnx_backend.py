@@ -11,18 +11,19 @@ from typing import Any
 
 import numpy as np
 
-from capserve.configs import MODELS, CapsuleLayerConfig, ModelConfig
-from capserve.runtime.base import Explanation, ModelMetadata, Runtime, RuntimeLoadError
+from capserve.configs import MODELS, CapsuleLayerConfig, ModelConfig, update_is_read
+from capserve.errors import RuntimeLoadError
+from capserve.runtime.base import Explanation, Runtime
+from capserve.runtime.metadata import CONFIG_KEY, LOGITS, METADATA_KEY, PART_WHOLE, PRECISION_KEY, ModelMetadata
 
 log = logging.getLogger(__name__)
 
-# written by capserve.export.onnx (kept here so that serving never imports the exporter)
-METADATA_KEY = "capserve.metadata"
-PRECISION_KEY = "capserve.precision"
-CONFIG_KEY = "capserve.config"  # the architecture (ModelConfig JSON): sizes the chunks of a large batch
-LOGITS, PART_WHOLE = "logits", "part_whole"
+
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
+
+
 CPU = "CPUExecutionProvider"
+
 
 Provider = str | tuple[str, dict[str, Any]]
 
@@ -49,6 +50,8 @@ def providers_for(device: str) -> list[Provider]:
 # An exported graph routes a whole batch at once: every vote of a routed layer lives in one tensor, beside its
 # products with the parents and the weighted votes. Batches run in chunks whose votes fit this budget.
 MEMORY_BUDGET_MB = 512
+
+
 # ONNX Runtime's peak over its base, per vote byte of the routed layers (cifar10-resnet, batch 32: measured 2.3 at
 # T = 3 and T = 5); rounded up so that a chunk stays inside the budget
 VOTE_COPIES = 3
@@ -61,7 +64,7 @@ def vote_bytes_per_image(config: ModelConfig, iterations: int | None, element_si
 
     Summed over layers because a concurrent update computes every layer's step from the same poses, and a runtime
     may hold them at once. Follows ``CapsNet._route``: sequential routing routes every layer when T >= 2; concurrent
-    routing updates layer i (0-based, of L) at iteration t only if t <= T - (L - 1 - i).
+    routing routes layer i only if its iteration-2 update is read (``update_is_read``).
     """
     if iterations is None or not config.has_routing:
         return 0
@@ -74,7 +77,7 @@ def vote_bytes_per_image(config: ModelConfig, iterations: int | None, element_si
             positions = side**2
         else:
             children, positions, side = types * side**2, 1, 1
-        routes = iterations >= 2 if config.routing == "sequential" else iterations - (len(layers) - 1 - i) >= 2
+        routes = iterations >= 2 if config.routing == "sequential" else update_is_read(i, 2, len(layers), iterations)
         routes = routes or config.routing_algorithm == "em"
         if routes:
             total += positions * children * layer.types * config.pose_dim * element_size

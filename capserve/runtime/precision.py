@@ -21,7 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from capserve.runtime.base import ModelMetadata, Runtime
+from capserve.errors import PrecisionError
+from capserve.runtime.base import Runtime
+from capserve.runtime.metadata import ModelMetadata
+from capserve.runtime.outputs import probabilities
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +39,6 @@ BF16_BACKENDS = ("torch",)  # ONNX Runtime (CPU) and TensorRT take their precisi
 MIN_AGREEMENT = 0.9
 SAMPLE_SIZE = 64
 SAMPLE_SEED = 0
-
-
-class PrecisionError(ValueError):
-    """A precision the chosen backend or device cannot serve; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -120,14 +119,6 @@ def resolve_precision(requested: str, backend: str, device: str = "cpu") -> tupl
 # ---------------------------------------------------------------------------------------------------- agreement
 
 
-def probabilities(logits: np.ndarray, task: str) -> np.ndarray:
-    """Softmax over classes, or per-class sigmoid for multi-label models: (B, C) → (B, C)."""
-    if task == "multi_label":
-        return 1.0 / (1.0 + np.exp(-logits))
-    z = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return z / z.sum(axis=1, keepdims=True)
-
-
 def decisions(logits: np.ndarray, metadata: ModelMetadata) -> np.ndarray:
     """What a user acts on: the top-1 class (single-label), or every label past its threshold (multi-label)."""
     if metadata.task != "multi_label":
@@ -143,7 +134,7 @@ def agreement(reference: np.ndarray, candidate: np.ndarray, metadata: ModelMetad
 
 def sample_images(metadata: ModelMetadata, count: int = SAMPLE_SIZE, seed: int = SAMPLE_SEED) -> np.ndarray:
     """The fixed check sample: ``count`` seeded uniform-noise images, normalised: float32 (count, C, H, W)."""
-    from capserve.preprocess import normalize_numpy
+    from capserve.data.preprocess import normalize_numpy
 
     rng = np.random.default_rng(seed)
     pixels = rng.integers(0, 256, size=(count, *metadata.input_shape), dtype=np.uint8)  # (B, C, H, W)

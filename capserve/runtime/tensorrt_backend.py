@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import threading
 from dataclasses import dataclass
@@ -18,10 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from capserve.runtime.base import Explanation, InputError, ModelMetadata, Runtime, RuntimeLoadError
+from capserve.errors import InputError, RuntimeLoadError
+from capserve.hashing import sha256_bytes
+from capserve.runtime.base import Explanation, Runtime
+from capserve.runtime.metadata import LOGITS, PART_WHOLE, ModelMetadata
 
 SIDECAR_FORMAT = 1
-LOGITS, PART_WHOLE = "logits", "part_whole"
 TENSORRT_MISSING = (
     "TensorRT is not installed: it runs only on NVIDIA GPU machines. Install it there with "
     "`pip install tensorrt` (NVIDIA's wheels), or use the onnxruntime backend on this machine"
@@ -32,10 +33,6 @@ def sidecar_path(engine: str | Path) -> Path:
     """``model.plan`` → ``model.plan.json``."""
     engine = Path(engine)
     return engine.with_name(engine.name + ".json")
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def import_tensorrt() -> Any:

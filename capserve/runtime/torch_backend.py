@@ -10,9 +10,11 @@ import numpy as np
 import torch
 
 import capserve
-from capserve.checkpoint import WEIGHTS, CheckpointError, file_sha256
-from capserve.model import RoutingTrace
-from capserve.runtime.base import Explanation, ModelMetadata, Runtime, RuntimeLoadError
+from capserve.errors import CheckpointError, RuntimeLoadError
+from capserve.model.capsnet import RoutingTrace
+from capserve.model.checkpoint import WEIGHTS, file_sha256
+from capserve.runtime.base import Explanation, Runtime
+from capserve.runtime.metadata import ModelMetadata
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

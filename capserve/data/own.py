@@ -1,0 +1,443 @@
+"""Your own images: an image folder (single-label) or a CSV manifest (multi-label), decoded once into a uint8 cache.
+
+Layouts
+    Folder  ``DIR/<label>/<images>``, or ``DIR/train/<label>/<images>`` with optional ``DIR/val/`` and ``DIR/test/``
+            in the same layout. Labels are the training split's folder names, sorted and kept exactly (spaces,
+            non-ASCII letters). Images may sit at any depth under their label folder; files whose suffix is not an
+            image suffix (``IMAGE_SUFFIXES``) and hidden files are ignored.
+    CSV     a header naming the columns ``image`` (a path relative to the CSV's folder; ``../`` and absolute paths
+            are refused with the line number) and ``labels`` (label names separated by spaces; empty: none of the
+            labels), optionally ``split`` (``train``/``val``/``test``; empty: train). Multi-label; the labels are the
+            sorted union of the training rows' labels.
+
+Validation: where the data has no val split, ``val_size`` training images (a count, or a fraction of train) are
+carved out by a fixed seed, stratified by label for single-label data (every label keeps a training image). The
+carve works on the file list, so training, ``capserve evaluate --split val`` and calibration all see the same split.
+
+Preprocessing is ``capserve.data.images.load_image``, the service's own path for an upload (EXIF orientation, modes,
+transparency over white, centre square, resize), at the model's channels and size, so a served image is prepared
+exactly as its training images were. ``build_cache`` keeps the decoded splits as uint8 tensors in one safetensors
+file, keyed by a fingerprint of the files (path, size, modification time), labels, split and input size: unchanged
+data is never decoded twice.
+
+Bad files (unreadable, corrupt, too small for the service) are skipped and counted, the first few named in the log;
+when more than ``MAX_FAILED_FRACTION`` of the files fail, ``DataError`` stops the run with the list.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from capserve.data.builtin import has_builtin_files
+from capserve.data.images import IMAGE_SUFFIXES, ImageError, InputSpec, load_image
+from capserve.data.progress import progress_bar
+from capserve.data.splits import Split, resolve_val_size
+from capserve.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+SPLITS = ("train", "val", "test")
+
+
+REQUIRED_COLUMNS = ("image", "labels")
+
+
+MAX_FAILED_FRACTION = 0.01  # more failing files than this stops the run
+
+
+VAL_SEED = 0
+
+
+CACHE_FILE = "data-cache.safetensors"
+
+
+CACHE_FORMAT = 1  # bump when the cache layout or the preprocessing changes
+
+
+SHOWN_FAILURES = 20  # paths listed in a stopping error
+
+
+# A user's own photos may be larger than the service accepts by default (25 MP): only Pillow's own decompression-bomb
+# limit applies. The limit only refuses images; an image it admits is preprocessed exactly as the service does.
+MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One image of the data: its file, its labels and where it was named (for messages)."""
+
+    path: Path
+    labels: tuple[str, ...]
+    where: str  # "cats/1.png" or "train.csv line 7"
+
+
+@dataclass
+class Manifest:
+    """The images and labels of a folder or CSV, by split; nothing decoded yet."""
+
+    source: Path
+    kind: Literal["folder", "csv"]
+    splits: dict[str, list[Sample]]  # "train" always (maybe empty), "val" and "test" when the data has them
+    named_splits: bool  # the data names its splits (a train/ folder, or a split column)
+
+    @property
+    def task(self) -> Literal["single_label", "multi_label"]:
+        return "single_label" if self.kind == "folder" else "multi_label"
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The training split's labels, sorted (every label of the data when it has no training images)."""
+        samples = self.splits["train"] or [s for split in self.splits.values() for s in split]
+        return tuple(sorted({label for s in samples for label in s.labels}))
+
+
+@dataclass(frozen=True)
+class InputSize:
+    """The model input the images are decoded to (an ``InputSpec`` for ``capserve.data.images``)."""
+
+    in_channels: int
+    image_size: int
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+
+
+# ------------------------------------------------------------------------------------------------ finding data
+
+
+def is_own_data(path: str | Path) -> bool:
+    """True for a CSV (or any other file: ``scan`` says what it should be) or a folder without built-in dataset
+    files (CIFAR pickles, MNIST IDX, packs)."""
+    path = Path(path)
+    if path.suffix.lower() == ".csv" or path.is_file():
+        return True
+    return path.is_dir() and not has_builtin_files(path)
+
+
+def scan(path: str | Path) -> Manifest:
+    """The manifest of an image folder or a CSV file (``DataError`` naming the fix when neither works)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"data {path} does not exist")
+    if path.is_file():
+        if path.suffix.lower() != ".csv":
+            raise DataError(f"{path} is a file but not a .csv manifest; pass a CSV or a folder of label folders")
+        return scan_csv(path)
+    return scan_folder(path)
+
+
+def _visible(path: Path, root: Path) -> bool:
+    return not any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def _label_folders(directory: Path, root: Path) -> tuple[list[Sample], int]:
+    """Images under ``directory/<label>/`` (any depth) and the number of other files ignored."""
+    samples, ignored = [], 0
+    for label_dir in sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for file in sorted(p for p in label_dir.rglob("*") if p.is_file() and _visible(p, label_dir)):
+            if file.suffix.lower() in IMAGE_SUFFIXES:
+                samples.append(Sample(file, (label_dir.name,), str(file.relative_to(root))))
+            else:
+                ignored += 1
+    return samples, ignored
+
+
+def scan_folder(root: Path) -> Manifest:
+    """``root/<label>/...`` or ``root/train/<label>/...`` (+ ``val/``, ``test/``)."""
+    named = (root / "train").is_dir()
+    if not named and any((root / s).is_dir() for s in ("val", "test")):
+        raise DataError(f"{root} has a val/ or test/ folder but no train/ folder: put the training images in "
+                        f"{root}/train/<label>/")  # fmt: skip
+    splits, ignored = {}, 0
+    for split in SPLITS if named else ("train",):
+        directory = root / split if named else root
+        if directory.is_dir():
+            splits[split], n = _label_folders(directory, root)
+            ignored += n
+    if ignored:
+        log.info("%s: ignored %d files without an image suffix (%s)", root, ignored, " ".join(sorted(IMAGE_SUFFIXES)))
+    if not any(splits.values()):
+        loose = sum(1 for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        hint = f" ({loose} images lie directly in {root}: move them into their label folders)" if loose else ""
+        raise DataError(f"no images found in {root}{hint}: put them in one folder per label, {root}/<label>/<images> "
+                        f"(or {root}/train/<label>/..., with optional val/ and test/); image files are "
+                        f"{', '.join(sorted(IMAGE_SUFFIXES))}. For the built-in CIFAR/MNIST files see "
+                        "`python -c 'import capserve.data; help(capserve.data)'`")  # fmt: skip
+    return Manifest(root, "folder", splits, named)
+
+
+def _csv_path(raw: str, root: Path, where: str) -> Path:
+    """The file a CSV row names, refusing paths that leave the CSV's folder."""
+    if not raw:
+        raise DataError(f"{where}: the image column is empty; give a path relative to {root}")
+    if os.path.isabs(raw) or raw.startswith(("/", "\\")) or (len(raw) > 1 and raw[1] == ":"):
+        raise DataError(f"{where}: image path {raw!r} is absolute; give it relative to the CSV's folder {root}")
+    normal = os.path.normpath(raw)
+    if normal == ".." or normal.startswith(".." + os.sep):
+        raise DataError(f"{where}: image path {raw!r} leaves the CSV's folder {root}; move the image under it")
+    return root / normal
+
+
+def scan_csv(path: Path) -> Manifest:
+    """A CSV manifest with columns image, labels and optionally split."""
+    root = path.parent
+    splits: dict[str, list[Sample]] = {"train": []}
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            header = [h.strip() for h in reader.fieldnames or []]
+            reader.fieldnames = header
+            missing = [c for c in REQUIRED_COLUMNS if c not in header]
+            if missing:
+                raise DataError(f"{path} lacks the column(s) {', '.join(missing)} (its header is {header}); the "
+                                "first line must name the columns: image,labels[,split]")  # fmt: skip
+            named = "split" in header
+            for row in reader:
+                where = f"{path.name} line {reader.line_num}"
+                split = (row.get("split") or "").strip().lower() or "train"
+                if split not in SPLITS:
+                    raise DataError(f"{where}: split {split!r} is not one of {', '.join(SPLITS)} (empty means train)")
+                image = _csv_path((row.get("image") or "").strip(), root, where)
+                labels = tuple(dict.fromkeys((row.get("labels") or "").split()))  # unique, in order
+                splits.setdefault(split, []).append(Sample(image, labels, where))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text ({e}); save it as UTF-8 CSV") from e
+    except csv.Error as e:
+        raise DataError(f"{path} is not a readable CSV ({e})") from e
+    if not any(splits.values()):
+        raise DataError(f"{path} names no images: add one row per image (image,labels[,split])")
+    return Manifest(path, "csv", splits, named)
+
+
+def check_training(manifest: Manifest) -> tuple[str, ...]:
+    """The labels to train on, after checking the manifest can train a classifier."""
+    source = manifest.source
+    if not manifest.splits["train"]:
+        raise DataError(f"{source} has no training images (rows with split train or an empty split)"
+                        if manifest.kind == "csv" else f"{source}/train holds no images in label folders")  # fmt: skip
+    labels = manifest.labels
+    if len(labels) < 2:
+        what = "label folder" if manifest.kind == "folder" else "label in its training rows"
+        raise DataError(f"{source} has {len(labels)} {what} ({', '.join(map(repr, labels)) or 'none'}); a classifier "
+                        "needs at least two labels")  # fmt: skip
+    check_labels(manifest, labels, "the training labels")
+    return labels
+
+
+def check_labels(manifest: Manifest, labels: Sequence[str], what: str, splits: Sequence[str] = ("val", "test")) -> None:
+    """Every label of ``splits`` must be one of ``labels``; the error names the first file with each stranger."""
+    known = set(labels)
+    strangers: dict[str, str] = {}
+    for split in splits:
+        for s in manifest.splits.get(split, []):
+            for label in s.labels:
+                if label not in known:
+                    strangers.setdefault(label, f"{split}: {s.where}")
+    if strangers:
+        listed = "; ".join(f"{label!r} (first in {where})" for label, where in list(strangers.items())[:10])
+        raise DataError(f"{manifest.source}: labels not among {what} ({', '.join(map(repr, labels))}): {listed}")
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+
+def carve(samples: Sequence[Sample], count: int, stratified: bool, seed: int = VAL_SEED) -> tuple[list[int], list[int]]:
+    """Indices (train, val) with ``count`` validation samples, drawn by ``seed``.
+
+    Stratified: each label gives about its share of ``count`` (within one), and never its last training sample.
+    """
+    n = len(samples)
+    rng = np.random.default_rng(seed)
+    u = rng.permutation(n)  # a random rank per sample
+    if stratified:
+        names = sorted({s.labels[0] for s in samples})
+        cls = np.array([names.index(s.labels[0]) for s in samples])
+        order = np.lexsort((u, cls))  # by label, then randomly
+        sizes = np.bincount(cls, minlength=len(names))
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(n) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # rank within its label
+        key = (rank + 0.5) / sizes[cls]
+        key[rank == sizes[cls] - 1] = np.inf  # the last sample of each label stays in train
+        if count > int(np.isfinite(key).sum()):
+            raise DataError(f"--val-size {count} leaves some label without a training image; use at most "
+                            f"{int(np.isfinite(key).sum())}")  # fmt: skip
+        chosen = np.lexsort((u, key))[:count]
+    else:
+        chosen = u[:count]
+    val = np.zeros(n, dtype=bool)
+    val[chosen] = True
+    return np.flatnonzero(~val).tolist(), np.flatnonzero(val).tolist()
+
+
+def with_validation(manifest: Manifest, val_size: int | float) -> tuple[Manifest, int]:
+    """The manifest with a val split (carved from train when the data has none) and the carved count (0 if none)."""
+    if manifest.splits.get("val"):
+        return manifest, 0
+    train = manifest.splits["train"]
+    count = resolve_val_size(val_size, len(train))
+    keep, val = carve(train, count, stratified=manifest.task == "single_label")
+    splits = {**manifest.splits, "train": [train[i] for i in keep], "val": [train[i] for i in val]}
+    return Manifest(manifest.source, manifest.kind, splits, manifest.named_splits), count
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+
+
+def targets_for(samples: Sequence[Sample], labels: Sequence[str], multi_label: bool) -> Tensor:
+    """(N,) int64 class indices, or (N, K) float32 multi-hot rows, in the order of ``labels``."""
+    index = {label: i for i, label in enumerate(labels)}
+    if multi_label:
+        hot = torch.zeros(len(samples), len(labels), dtype=torch.float32)
+        for row, s in enumerate(samples):
+            hot[row, [index[label] for label in s.labels]] = 1.0
+        return hot
+    wrong = [s for s in samples if len(s.labels) != 1]
+    if wrong:
+        raise DataError(f"a single-label model needs exactly one label per image; {wrong[0].where} has "
+                        f"{len(wrong[0].labels)} ({len(wrong)} such rows)")  # fmt: skip
+    return torch.tensor([index[s.labels[0]] for s in samples], dtype=torch.int64)
+
+
+def _decode(sample: Sample, spec: InputSpec) -> np.ndarray | str:
+    """uint8 (C, H, W), or the reason the file failed."""
+    try:
+        return load_image(sample.path.read_bytes(), spec, max_pixels=MAX_PIXELS)
+    except (ImageError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+class FailureLog:
+    """Files that failed to decode; ``check`` stops with the list when more than ``MAX_FAILED_FRACTION`` failed."""
+
+    def __init__(self, total: int, source: Path):
+        self.total, self.source = total, source
+        self.failures: list[tuple[str, str]] = []
+
+    def add(self, sample: Sample, reason: str) -> None:
+        self.failures.append((sample.where, reason))
+
+    def check(self) -> None:
+        """Raise ``DataError`` listing the failures if there are too many; else log the first few."""
+        if len(self.failures) > MAX_FAILED_FRACTION * self.total:
+            listed = "\n".join(f"  {where}: {reason}" for where, reason in self.failures[:SHOWN_FAILURES])
+            more = len(self.failures) - SHOWN_FAILURES
+            raise DataError(f"{len(self.failures)} of {self.total} images in {self.source} cannot be read (more than "
+                            f"{MAX_FAILED_FRACTION:.0%}); fix or remove them:\n{listed}"
+                            + (f"\n  ... and {more} more" if more > 0 else ""))  # fmt: skip
+        if self.failures:
+            first = "; ".join(f"{where} ({reason})" for where, reason in self.failures[:3])
+            log.warning("skipped %d of %d unreadable images in %s, first: %s", len(self.failures), self.total,
+                        self.source, first)  # fmt: skip
+
+
+def iter_decoded(samples: Sequence[Sample], spec: InputSpec, failures: FailureLog, batch_size: int = 256,
+                 desc: str = "decoding", workers: int | None = None,
+                 ) -> Iterator[tuple[np.ndarray, list[int]]]:  # fmt: skip
+    """Batches of decoded images: uint8 (b, C, H, W) and the indices of ``samples`` they hold (failures skipped).
+
+    Pillow releases the GIL while it decodes, so a thread per core decodes in parallel; only one batch of images
+    is held at a time.
+    """
+    workers = workers or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers) as pool, progress_bar(len(samples), desc) as bar:
+        for start in range(0, len(samples), batch_size):
+            chunk = samples[start : start + batch_size]
+            arrays, kept = [], []
+            for offset, result in enumerate(pool.map(lambda s: _decode(s, spec), chunk)):
+                if isinstance(result, str):
+                    failures.add(chunk[offset], result)
+                else:
+                    arrays.append(result)
+                    kept.append(start + offset)
+            bar.update(len(chunk))
+            empty = np.zeros((0, spec.in_channels, spec.image_size, spec.image_size), np.uint8)
+            yield (np.stack(arrays) if arrays else empty), kept
+
+
+def decode_split(samples: Sequence[Sample], labels: Sequence[str], multi_label: bool, spec: InputSize,
+                 failures: FailureLog, desc: str) -> Split:  # fmt: skip
+    """Every readable image of ``samples`` as a ``Split`` (images (N, C, H, W) uint8 and targets)."""
+    parts, kept = [], []
+    for images, index in iter_decoded(samples, spec, failures, desc=desc):
+        parts.append(torch.from_numpy(images))
+        kept += index
+    images = torch.cat(parts) if parts else torch.zeros(0, spec.in_channels, spec.image_size, spec.image_size,
+                                                        dtype=torch.uint8)  # fmt: skip
+    return Split(images, targets_for([samples[i] for i in kept], labels, multi_label))
+
+
+# ------------------------------------------------------------------------------------------------ the cache
+
+
+def fingerprint(manifest: Manifest, labels: Sequence[str], spec: InputSize) -> str:
+    """A hash of everything the cache depends on: files (path, size, mtime), labels, splits, input size."""
+    h = hashlib.sha256()
+    head = {"format": CACHE_FORMAT, "labels": list(labels), "task": manifest.task, "channels": spec.in_channels,
+            "size": spec.image_size}  # fmt: skip
+    h.update(json.dumps(head).encode())
+    for split in SPLITS:
+        for s in manifest.splits.get(split, []):
+            try:
+                st = s.path.stat()
+                stamp = f"{st.st_size}:{st.st_mtime_ns}"
+            except OSError:
+                stamp = "missing"
+            h.update(f"\n{split}\t{s.path}\t{stamp}\t{' '.join(s.labels)}".encode())
+    return h.hexdigest()
+
+
+@dataclass
+class OwnData:
+    """Decoded splits of a user's data (``val``/``test`` None when absent) and how many files were skipped."""
+
+    labels: tuple[str, ...]
+    task: Literal["single_label", "multi_label"]
+    splits: dict[str, Split]
+    skipped: int
+    from_cache: bool
+
+
+def build_cache(manifest: Manifest, labels: Sequence[str], spec: InputSize, cache: Path | None) -> OwnData:
+    """Decode every split once (or read ``cache`` when its fingerprint matches) into uint8 tensors."""
+    key = fingerprint(manifest, labels, spec)
+    multi = manifest.task == "multi_label"
+    names = [s for s in SPLITS if manifest.splits.get(s)]
+    if cache is not None and cache.is_file():
+        try:
+            with safe_open(str(cache), "pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("fingerprint") == key:
+                    splits = {s: Split(f.get_tensor(f"{s}.images"), f.get_tensor(f"{s}.targets")) for s in names}
+                    log.info("decoded images reused from %s (%s)", cache,
+                             ", ".join(f"{s} {len(v)}" for s, v in splits.items()))  # fmt: skip
+                    return OwnData(tuple(labels), manifest.task, splits, int(meta.get("skipped", 0)), True)
+            log.info("data changed since %s was built: decoding again", cache)
+        except (SafetensorError, OSError, KeyError, AssertionError) as e:
+            log.warning("ignoring unreadable cache %s (%s): decoding again", cache, e)
+    failures = FailureLog(sum(len(manifest.splits[s]) for s in names), manifest.source)
+    splits = {s: decode_split(manifest.splits[s], labels, multi, spec, failures, f"decoding {s}") for s in names}
+    failures.check()
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {f"{s}.{k}": getattr(v, k).contiguous() for s, v in splits.items() for k in ("images", "targets")}
+        tmp = cache.with_name(cache.name + ".tmp")
+        save_file(tensors, str(tmp), metadata={"fingerprint": key, "skipped": str(len(failures.failures)),
+                                               "source": str(manifest.source)})  # fmt: skip
+        tmp.replace(cache)
+    return OwnData(tuple(labels), manifest.task, splits, len(failures.failures), False)

@@ -1,0 +1,99 @@
+"""``capserve export bentoml MODEL_DIR --name NAME``: a model folder as one model in BentoML's model store.
+
+The store keeps versioned tags (``bentoml models list``), ``bentoml build`` packs the models a bentofile names
+into the bento, and ``bentoml models push`` uploads them. The stored model is the whole serving folder:
+``config.json``, ``model.safetensors``, ``model.onnx`` and ``model-explain.onnx`` (exported into the stored copy
+when the folder lacks them; the source folder is never written), a TensorRT engine with its sidecar when present,
+and ``MODEL_CARD.md``. The service serves it with ``CAPSERVE_MODEL=NAME[:VERSION]``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from capserve.model.checkpoint import CONFIG, WEIGHTS, file_sha256, read_config
+from capserve.runtime.metadata import METADATA_KEY
+
+from .onnx import ExportError
+
+log = logging.getLogger(__name__)
+
+ONNX, EXPLAIN_ONNX = "model.onnx", "model-explain.onnx"
+OPTIONAL = ("model.plan", "model.plan.json", "MODEL_CARD.md")  # copied when present
+MODULE = "capserve"  # the stored model's framework ("module") in `bentoml models list`
+
+
+def _onnx_weights_sha256(path: Path) -> str:
+    import onnx
+
+    props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    if METADATA_KEY not in props:
+        raise ExportError(f"{path} has no {METADATA_KEY!r} metadata: re-export it with `capserve export onnx`")
+    return json.loads(props[METADATA_KEY]).get("weights_sha256", "")
+
+
+def store_labels_and_metadata(directory: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """BentoML labels (task, dataset, config name) and metadata (iterations, weights hash, metrics when known)."""
+    config = read_config(directory)
+    saved = json.loads((directory / CONFIG).read_text())
+    labels = {"task": config.task, "dataset": config.name.split("-")[0], "config": config.name}
+    import capserve
+
+    metadata: dict[str, Any] = {
+        "head": config.head,  # "capsules", or a baseline CNN's read-out (which has no routing iterations)
+        **({"iterations": config.iterations} if config.has_routing else {}),
+        "weights_sha256": file_sha256(directory / WEIGHTS),
+        "classes": len(config.labels),
+        "capserve_version": capserve.__version__,
+    }
+    metrics = dict(saved.get("metrics") or {})  # validation figures recorded with the checkpoint
+    summary = directory.parent / "summary.json"  # `capserve train --out RUN` writes RUN/best and RUN/summary.json
+    if summary.is_file():
+        metrics.update({k: v for k, v in json.loads(summary.read_text()).items() if k.startswith("test_")})
+    metrics = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    if metrics:
+        metadata["metrics"] = metrics
+    return labels, metadata
+
+
+def save_to_store(directory: str | Path, name: str) -> str:
+    """Save a model folder to BentoML's model store as ``name``; returns the new tag ``name:version``."""
+    import bentoml
+    from bentoml.exceptions import BentoMLException
+
+    from .onnx import export_checkpoint
+
+    directory = Path(directory)
+    if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
+        raise ExportError(f"{directory} is not a model directory (it needs {CONFIG} and {WEIGHTS})")
+    labels, metadata = store_labels_and_metadata(directory)
+    config = read_config(directory)
+    digests = {metadata["weights_sha256"]}  # what `capserve export onnx DIR` records
+    for graph in (ONNX, EXPLAIN_ONNX):
+        if (directory / graph).is_file() and len(digests) == 1:
+            import capserve
+
+            from .onnx import weights_sha256
+
+            digests.add(weights_sha256(capserve.load(directory)))  # what export_onnx(model) records
+        if (directory / graph).is_file() and _onnx_weights_sha256(directory / graph) not in digests:
+            raise ExportError(f"{directory / graph} was exported from other weights than {directory / WEIGHTS}: "
+                              f"re-export it (`capserve export onnx {directory} -o {directory / graph}"
+                              f"{' --explain' if graph == EXPLAIN_ONNX else ''}`) or delete it")  # fmt: skip
+    try:
+        with bentoml.models.create(name, labels=labels, metadata=metadata, module=MODULE) as stored:
+            target = Path(stored.path)
+            for file in (CONFIG, WEIGHTS, ONNX, EXPLAIN_ONNX, *OPTIONAL):
+                if (directory / file).is_file():
+                    shutil.copy2(directory / file, target / file)
+            for graph, explain in ((ONNX, False), (EXPLAIN_ONNX, True)):
+                if not (target / graph).is_file() and (config.has_routing or not explain):  # CNNs: nothing to explain
+                    log.info("%s has no %s: exporting it into the stored model", directory, graph)
+                    export_checkpoint(directory, target / graph, explain=explain)
+    except BentoMLException as e:
+        raise ExportError(f"cannot save {directory} to BentoML's model store as {name!r}: {e}") from e
+    return str(stored.tag)

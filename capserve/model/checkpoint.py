@@ -1,0 +1,49 @@
+"""Model directories: ``model.safetensors`` (weights) + ``config.json`` (everything else). No pickle."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+from torch import nn
+
+from capserve.configs import ModelConfig
+from capserve.errors import CheckpointError
+from capserve.hashing import file_sha256  # noqa: F401  (re-exported: the weights' digest)
+
+log = logging.getLogger(__name__)
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+FORMAT_VERSION = 1
+
+
+def save_model(model: nn.Module, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """Save a model's weights and its ``model.config`` to ``directory`` (created if needed) and return it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(directory / WEIGHTS), metadata={"format": "pt"})
+    payload = {"format_version": FORMAT_VERSION, "config": model.config.to_dict(), **(extra or {})}
+    (directory / CONFIG).write_text(json.dumps(payload, indent=2) + "\n")
+    return directory
+
+
+def read_config(directory: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` stored in a model directory."""
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: a model directory holds {CONFIG} and {WEIGHTS} "
+                              "(written by model.save(dir) or `capserve train`)")  # fmt: skip
+    try:
+        payload = json.loads(path.read_text())
+        if payload.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format_version {payload.get('format_version')!r} is not "
+                                  f"{FORMAT_VERSION}; re-save it with this capserve version")  # fmt: skip
+        return ModelConfig.from_dict(payload["config"])
+    except CheckpointError:
+        raise
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path} is not a valid capserve config: {e}") from e

@@ -1,0 +1,40 @@
+"""Training losses, one per routing algorithm, each as its own paper trains it.
+
+Every model returns logits (B, C) whatever its routing, so that serving, evaluation and export never ask which
+routing a model uses; a routing whose paper scores capsules by length or activation in (0, 1) returns that score
+as a logit (sigmoid(logit) = score), and its loss reads the score back with ``torch.sigmoid``.
+
+- ``attention`` (inverted dot-product attention, Tsai et al. 2020): cross-entropy for single-label tasks, binary
+  cross-entropy per class for multi-label ones, on the linear read-out of the class capsules.
+- ``dynamic`` (Sabour et al. 2017): margin loss on the class capsules' lengths |v_k| = sigmoid(logit_k),
+  Σ_k T_k max(0, m⁺ − |v_k|)² + λ (1 − T_k) max(0, |v_k| − m⁻)² with m⁺ = 0.9, m⁻ = 0.1, λ = 0.5, averaged over
+  the batch. T_k is 1 for the image's class; for multi-label images, for each class present (the original's own
+  use on two overlapping digits). No reconstruction term: the seed paper's CapsNet* comparison has no decoder.
+- ``em`` (Hinton et al. 2018): the spread loss on the class activations a = sigmoid(logit),
+  L = Σ_{i≠t} max(0, m − (a_t − a_i))², with the margin m rising linearly from 0.2 to 0.9 over training, as the
+  paper does. Multi-label targets: see ``spread_loss``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from capserve.configs import ModelConfig
+from capserve.routing.attention import cross_entropy_loss
+from capserve.routing.dynamic import margin_loss
+from capserve.routing.em import spread_loss
+
+# (logits (B, C), targets: (B,) class indices or (B, C) multi-hot, multi_label, progress through training in [0, 1])
+Loss = Callable[[Tensor, Tensor, bool, float], Tensor]
+
+
+LOSSES: dict[str, Loss] = {"attention": cross_entropy_loss, "dynamic": margin_loss, "em": spread_loss}
+
+
+def training_loss(config: ModelConfig) -> Loss:
+    """The loss that ``config``'s routing algorithm is trained with (a baseline CNN: cross-entropy)."""
+    if not config.has_routing:
+        return cross_entropy_loss
+    return LOSSES[config.routing_algorithm]

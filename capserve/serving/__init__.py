@@ -1,0 +1,56 @@
+"""Everything the HTTP service does, as plain Python (``service.py`` is a thin BentoML shell over it): settings,
+model sources, the request logic (``app.Capsules``), the ASGI guard, answer schemas, explanations, batching,
+route tables and the server process's start-up rules. BentoML is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+from capserve.serving.app import (  # noqa: F401
+    IMAGE_ERRORS,
+    Capsules,
+    RequestError,
+    Upload,
+    decode,
+    http_error,
+    top_labels,
+)
+from capserve.serving.batching import (  # noqa: F401
+    BATCHES_IN_FLIGHT,
+    ENDPOINTS,
+    INLINE_DECODE_BYTES,
+    INLINE_DECODE_PIXELS,
+    batch_runtime,
+    batch_size_histogram,
+    lone_request_options,
+)
+from capserve.serving.explain import HEATMAP_OCTAVES, RAMP, heatmap_png, selectivity, vs_uniform  # noqa: F401
+from capserve.serving.guard import (  # noqa: F401
+    GUARDED_UPLOAD,
+    UPLOAD_TOKEN,
+    QuietClientErrors,
+    RequestGuard,
+    error_message,
+    guarded_upload,
+    one_error_shape,
+)
+from capserve.serving.process import (  # noqa: F401
+    FAILED_START_EXIT_CODE,
+    FAILED_START_SIGNAL,
+    SERVER_PID_VARIABLE,
+    freeze_startup_heap,
+    prepare_server_process,
+    report_failed_start,
+    settings_or_exit,
+    untraced_without_exporter,
+)
+from capserve.serving.routes import (  # noqa: F401
+    FILE_FIELDS,
+    LIST_FIELDS,
+    MULTILABEL_ROUTES,
+    NO_MULTILABEL_MODEL,
+    route_parameters,
+    unavailable_routes,
+)
+from capserve.serving.schemas import Capsule, Classification, Explained, Iterations, Label, MultiLabel  # noqa: F401
+from capserve.serving.settings import BACKENDS, Settings  # noqa: F401
+from capserve.serving.sources import ARTIFACTS, EXPLAIN_ARTIFACT, STORE_TAG, ModelSource, open_model, resolve_model  # noqa: F401

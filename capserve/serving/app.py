@@ -1,0 +1,376 @@
+"""Everything the HTTP service does, as plain Python: settings, model loading (directories or BentoML's model
+store), the request logic and its results, the ASGI request guard, the server process's start-up rules.
+
+``service.py`` is a thin BentoML shell over ``Capsules``. BentoML is imported only inside the functions that
+need it (the model store, the adaptive batching engine, its exception types, its metrics folder).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from dataclasses import asdict
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+from capserve.data.images import ImageError, ImageTooLargeError, ImageTooSmallError, UnsupportedImageError, load_image
+from capserve.data.preprocess import normalize_images
+from capserve.errors import ConfigurationError, InputError
+from capserve.runtime import Explanation, Runtime
+from capserve.runtime.outputs import sigmoid, softmax
+from capserve.serving.batching import (
+    BATCHES_IN_FLIGHT,
+    ENDPOINTS,
+    INLINE_DECODE_BYTES,
+    INLINE_DECODE_PIXELS,
+    batch_runtime,
+    batch_size_histogram,
+)
+from capserve.serving.explain import heatmap_png, selectivity, vs_uniform
+from capserve.serving.guard import _request_error
+from capserve.serving.process import report_failed_start
+from capserve.serving.routes import NO_MULTILABEL_MODEL
+from capserve.serving.schemas import Capsule, Classification, Explained, Label, MultiLabel
+from capserve.serving.settings import Settings
+from capserve.serving.sources import EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model
+
+log = logging.getLogger("capserve.service")
+
+
+def top_labels(probabilities: np.ndarray, labels: tuple[str, ...], k: int, passed: np.ndarray | None = None
+               ) -> list[Label]:  # fmt: skip
+    """The ``k`` most probable labels (of those ``passed``, a boolean mask, when given), most probable first."""
+    order = np.argsort(-probabilities, kind="stable")
+    if passed is not None:
+        order = order[passed[order]]
+    return [Label(label=labels[i], index=int(i), probability=float(probabilities[i])) for i in order[:k]]
+
+
+# ---------------------------------------------------------------------------- request errors
+
+
+class RequestError(ValueError):
+    """A request the service refuses; ``status`` is its HTTP status (the README's error table)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+_HTTP_ERRORS: dict[int, type] = {}
+
+
+def http_error(error: RequestError) -> Exception:
+    """``error`` as the BentoML exception that makes BentoML answer with its status."""
+    from bentoml.exceptions import BentoMLException
+
+    known = _request_error.get()
+    if known is not None:
+        known["message"] = str(error)
+    if error.status not in _HTTP_ERRORS:
+        _HTTP_ERRORS[error.status] = type(f"HTTP{error.status}", (BentoMLException,),
+                                          {"error_code": HTTPStatus(error.status)})  # fmt: skip
+    return _HTTP_ERRORS[error.status](str(error))
+
+
+IMAGE_ERRORS: dict[type[ImageError], int] = {
+    ImageTooLargeError: 413,
+    ImageTooSmallError: 422,
+    UnsupportedImageError: 422,
+}
+
+
+Upload = bytes | Path  # an image parameter: the bytes RequestGuard parsed (``guarded_upload``), or a file
+
+
+def decode(upload: Upload, runtime: Runtime, max_pixels: int, what: str = "the image") -> np.ndarray:
+    """An uploaded image → uint8 (C, H, W) for ``runtime``'s model; bad images raise ``RequestError``.
+
+    ``what`` names the upload in messages (the client never sees BentoML's temporary file names).
+    """
+    data = upload if isinstance(upload, bytes) else upload.read_bytes()
+    try:
+        return load_image(data, runtime.metadata, max_pixels)
+    except ImageError as e:
+        raise RequestError(IMAGE_ERRORS.get(type(e), 400), f"{what}: {e}") from e
+
+
+# ---------------------------------------------------------------------------- the service's logic
+
+
+class Capsules:
+    """What the service does, for ``service.py`` to expose: the runtimes (loaded once and warmed up), adaptive
+    batching of single-image requests, and one method per endpoint. Bad requests raise ``error(RequestError)``
+    (``http_error``: BentoML's exceptions, answered with the right status)."""
+
+    def __init__(self, settings: Settings, error: Any = http_error):
+        self.settings, self.error, self.ready = settings, error, False
+        try:
+            self.runtime, self.explainer, self.source = open_model(settings.model, settings)
+            self.multilabel_runtime: Runtime | None = None
+            self.multilabel_source: ModelSource | None = None
+            if settings.multilabel_model.lower() != "none":
+                self.multilabel_runtime, _, self.multilabel_source = open_model(settings.multilabel_model, settings)
+                if self.multilabel_runtime.metadata.task != "multi_label":
+                    raise ConfigurationError(f"CAPSERVE_MULTILABEL_MODEL={settings.multilabel_model} is a "
+                                             f"{self.multilabel_runtime.metadata.task} model; give a multi_label "
+                                             "one or 'none'")  # fmt: skip
+            self.batching = settings.max_batch_size > 1
+            self._batchers: dict[bool, Any] = {}  # multilabel → batched predict
+            # multilabel → the runtime its adaptive batches run on (a separate ONNX Runtime session on CPUs)
+            self._batch_runtimes: dict[bool, Runtime] = {}
+            for multilabel, runtime in ((False, self.runtime), (True, self.multilabel_runtime)):
+                if runtime is not None and self.batching:
+                    self._batch_runtimes[multilabel] = batch_runtime(runtime, settings)
+            self._pending = {False: 0, True: 0}  # multilabel → single-image requests decoding, queued or running
+            self._warm_up()
+        except Exception as e:  # any failed start stops the server (exit 3); unexpected ones with their traceback
+            log.critical("capserve cannot start: %s", e, exc_info=not isinstance(e, ConfigurationError))
+            report_failed_start()
+            raise
+
+    def _warm_up(self) -> None:
+        """One inference per loaded runtime (and explanation graph): readiness means a real answer came back."""
+        try:
+            served = (self.runtime, self.multilabel_runtime, self.explainer)
+            batch_sessions = [r for r in self._batch_runtimes.values() if all(r is not s for s in served)]
+            for runtime in (*served, *batch_sessions):
+                if runtime is None:
+                    continue
+                zeros = normalize_images(np.zeros((1, *runtime.metadata.input_shape), np.uint8), runtime.metadata)
+                logits = runtime.predict(zeros)
+                if logits.shape != (1, len(runtime.metadata.labels)) or not np.isfinite(logits).all():
+                    raise ConfigurationError(f"warm-up inference of {runtime.metadata.name} gave {logits.shape} "
+                                             "logits with non-finite values or the wrong shape")  # fmt: skip
+                if runtime is self.explainer:
+                    runtime.explain(zeros)
+            for runtime in self._batch_runtimes.values():
+                if runtime.backend == "torch" and self.settings.device == "cpu":
+                    # a full batch, so that big routing steps compile their fused kernel (capserve.routing; seconds,
+                    # once per shape) now rather than in the first busy moment's requests
+                    full = np.zeros((self.settings.max_batch_size, *runtime.metadata.input_shape), np.uint8)
+                    runtime.predict(normalize_images(full, runtime.metadata))
+        except (InputError, NotImplementedError, RuntimeError, AssertionError) as e:
+            raise ConfigurationError(f"warm-up inference failed: {e}") from e
+        self.ready = True
+        log.info("capserve ready: %s (%s %s on %s, providers %s), batching %s", self.runtime.metadata.name,
+                 self.settings.backend, self.runtime.precision, self.settings.device, self.runtime.providers,
+                 f"up to {self.settings.max_batch_size}" if self.batching else "off")  # fmt: skip
+
+    def fail(self, status: int, message: str) -> Exception:
+        return self.error(RequestError(status, message))
+
+    def predict(self, runtime: Runtime, pixels: np.ndarray) -> np.ndarray:
+        """uint8 (B, C, H, W) → float32 logits (B, classes); bad pixels or shapes are 400s."""
+        if pixels.dtype != np.uint8:  # JSON tensors arrive as int64
+            if pixels.dtype.kind not in "iu" or pixels.size == 0 or pixels.min() < 0 or pixels.max() > 255:
+                raise self.fail(400, f"images must be integer pixels in [0, 255], got {pixels.dtype} values")
+            pixels = pixels.astype(np.uint8)
+        try:
+            return runtime.predict(normalize_images(pixels, runtime.metadata))
+        except InputError as e:
+            raise self.fail(400, str(e)) from e
+
+    async def run(self, function: Any, *args: Any) -> Any:
+        """``function(*args)`` in a worker thread; its RequestErrors become ``error``'s exceptions."""
+        try:
+            return await anyio.to_thread.run_sync(function, *args)
+        except RequestError as e:
+            raise self.error(e) from e
+
+    def multilabel_model(self) -> Runtime:
+        if self.multilabel_runtime is None:
+            raise self.fail(501, NO_MULTILABEL_MODEL)
+        return self.multilabel_runtime
+
+    async def logits(self, pixels: np.ndarray, multilabel: bool = False) -> np.ndarray:
+        """Logits (B, classes) for uint8 pixels (B, C, H, W), without adaptive batching (the batchable APIs)."""
+        runtime = self.multilabel_model() if multilabel else self.runtime
+        return await self.run(self.predict, runtime, pixels)
+
+    async def upload_logits(self, image: Upload, multilabel: bool = False) -> np.ndarray:
+        """Logits (1, classes) of one uploaded image, the server picking by load: when no other single-image
+        request is in progress, decoding and inference run in one worker-thread hop (batching would only wait);
+        otherwise the decoded image joins adaptive batching (when it is on). Answers are the same either way."""
+        runtime = self.multilabel_model() if multilabel else self.runtime
+        max_pixels = self.settings.max_pixels
+
+        def decode_and_predict() -> np.ndarray:
+            return self.predict(runtime, decode(image, runtime, max_pixels)[None])  # (1, classes)
+
+        if not self.batching:
+            return await self.run(decode_and_predict)
+        self._pending[multilabel] += 1
+        try:
+            if self._pending[multilabel] == 1:
+                batch_size_histogram().labels(endpoint=ENDPOINTS[multilabel]).observe(1)
+                return await self.run(decode_and_predict)
+            pixels = self.decode_small(image, runtime)
+            if pixels is None:
+                pixels = await self.run(decode, image, runtime, max_pixels)
+            if multilabel not in self._batchers:  # created on first use: the engine binds to the running event loop
+                self._batchers[multilabel] = self._batcher(runtime, multilabel)
+            return await self._batchers[multilabel](pixels[None])
+        finally:
+            self._pending[multilabel] -= 1
+
+    def decode_small(self, image: Upload, runtime: Runtime) -> np.ndarray | None:
+        """``image`` decoded right here, on the event loop, when it is small (``INLINE_DECODE_BYTES``,
+        ``INLINE_DECODE_PIXELS``); None when it is larger: a worker thread decodes it. Bad images raise as
+        ``decode`` does."""
+        if not isinstance(image, bytes) or len(image) > INLINE_DECODE_BYTES:
+            return None
+        try:
+            return decode(image, runtime, min(self.settings.max_pixels, INLINE_DECODE_PIXELS))
+        except RequestError as e:
+            if isinstance(e.__cause__, ImageTooLargeError):
+                return None  # only too large to decode here: a worker thread checks it against the real limit
+            raise self.error(e) from e
+
+    def _batcher(self, runtime: Runtime, multilabel: bool) -> Any:
+        """BentoML's adaptive batching engine (the CorkDispatcher behind batchable APIs) around ``runtime``.
+
+        Called in-process: BentoML's own in-process client to a batchable API (``self.to_async``) loses
+        responses under concurrency (aiohttp "Server disconnected"), so the endpoints use the engine directly.
+        """
+        from bentoml._internal.marshal.dispatcher import CorkDispatcher, NonBlockSema
+
+        settings = self.settings
+
+        def overloaded() -> Any:
+            raise self.fail(503, f"the batching queue held this request over {settings.max_latency_ms} ms "
+                                 "(CAPSERVE_MAX_LATENCY_MS); retry later")  # fmt: skip
+
+        batch_runtime = self._batch_runtimes.get(multilabel, runtime)
+        in_flight = self.batches_in_flight(multilabel)
+        dispatcher = CorkDispatcher(max_latency_in_ms=settings.max_latency_ms, max_batch_size=settings.max_batch_size,
+                                    fallback=overloaded, get_batch_size=len, batch_dim=(0, 0),
+                                    shared_sema=NonBlockSema(in_flight))  # fmt: skip
+        endpoint = ENDPOINTS[multilabel]
+
+        async def infer(batches: list[np.ndarray]) -> list[np.ndarray]:
+            batch_size_histogram().labels(endpoint=endpoint).observe(len(batches))
+            logits = await self.run(self.predict, batch_runtime, np.concatenate(batches))  # (B, classes)
+            return list(np.split(logits, np.cumsum([len(b) for b in batches])[:-1]))
+
+        return dispatcher(infer)
+
+    def batches_in_flight(self, multilabel: bool = False) -> int:
+        """How many adaptive batches may run at once: ``BATCHES_IN_FLIGHT`` on a separate batch session (ONNX
+        Runtime on a CPU, ``batch_runtime``), else 1 (BentoML's default); 0 with batching off."""
+        if not self.batching:
+            return 0
+        runtime = self.multilabel_runtime if multilabel else self.runtime
+        return BATCHES_IN_FLIGHT if self._batch_runtimes.get(multilabel, runtime) is not runtime else 1
+
+    def check_top_k(self, top_k: int) -> None:
+        labels = len(self.runtime.metadata.labels)
+        if top_k > labels:
+            raise self.fail(400, f"top_k={top_k} but the model has {labels} labels: give 1..{labels}")
+
+    async def classify(self, image: Upload, top_k: int) -> Classification:
+        meta = self.runtime.metadata
+        self.check_top_k(top_k)
+        probabilities = softmax(await self.upload_logits(image))[0]  # (C,)
+        return Classification(model=meta.name, iterations=meta.iterations,
+                              predictions=top_labels(probabilities, meta.labels, top_k))  # fmt: skip
+
+    async def classify_batch(self, files: list[Upload], top_k: int) -> list[Classification]:
+        meta, settings = self.runtime.metadata, self.settings
+        if not files:
+            raise self.fail(400, "send at least one image in the multipart field 'images'")
+        if len(files) > settings.max_images:
+            raise self.fail(413, f"{len(files)} images in one request; the limit is {settings.max_images} "
+                                 "(CAPSERVE_MAX_IMAGES)")  # fmt: skip
+        self.check_top_k(top_k)
+
+        def run() -> np.ndarray:
+            pixels = [decode(path, self.runtime, settings.max_pixels, f"image {i}") for i, path in enumerate(files)]
+            batch = np.stack(pixels)  # (B, C, H, W)
+            step = settings.max_batch_size
+            return np.concatenate([self.predict(self.runtime, batch[i : i + step]) for i in range(0, len(batch), step)])
+
+        probabilities = softmax(await self.run(run))  # (B, C)
+        return [Classification(model=meta.name, iterations=meta.iterations,
+                               predictions=top_labels(p, meta.labels, top_k)) for p in probabilities]  # fmt: skip
+
+    async def multilabel(self, image: Upload, threshold: float | None) -> MultiLabel:
+        runtime = self.multilabel_model()
+        meta = runtime.metadata
+        probabilities = sigmoid(await self.upload_logits(image, multilabel=True))[0]  # (C,)
+        if threshold is not None:
+            thresholds = np.full(len(meta.labels), threshold)
+        else:
+            thresholds = np.array(meta.thresholds if meta.thresholds is not None else [0.5] * len(meta.labels))
+        passed = top_labels(probabilities, meta.labels, len(meta.labels), probabilities >= thresholds)
+        return MultiLabel(
+            model=meta.name, iterations=meta.iterations, threshold=threshold, labels=passed,
+            probabilities={name: float(p) for name, p in zip(meta.labels, probabilities, strict=True)},
+            thresholds={name: float(t) for name, t in zip(meta.labels, thresholds, strict=True)},
+        )  # fmt: skip
+
+    async def explain(self, image: Upload, capsules: int) -> Explained:
+        explainer = self.explainer
+        if not has_routing(self.runtime):
+            raise self.fail(501, f"{self.runtime.metadata.name} is a CNN without routing: there is no part-whole "
+                                 "parse to explain; /explain needs a capsule network")  # fmt: skip
+        if explainer is None:
+            model = self.source.path
+            raise self.fail(501, f"{self.settings.model} has no {EXPLAIN_ARTIFACT}: run `capserve export onnx "
+                                 f"{model} -o {model / EXPLAIN_ARTIFACT} --explain` or serve with "
+                                 "CAPSERVE_BACKEND=torch")  # fmt: skip
+        meta = explainer.metadata
+        pixels = await self.run(decode, image, explainer, self.settings.max_pixels)
+
+        def run() -> Explanation:
+            return explainer.explain(normalize_images(pixels[None], meta))
+
+        explanation = await self.run(run)
+        probabilities = softmax(explanation.logits)[0]  # (C,)
+        c = int(probabilities.argmax())
+        C = len(meta.labels)
+        routing = explanation.part_whole[0, c]  # (H, W, I)
+        _, W, I = routing.shape
+        order = np.argsort(-routing.reshape(-1), kind="stable")[: min(capsules, routing.size)]
+        top = [Capsule(type=int(k % I), row=int(k // (W * I)), col=int(k // I % W),
+                       routing_probability=float(routing.flat[k]), vs_uniform=float(routing.flat[k] * C))
+               for k in order]  # fmt: skip
+        grid = routing.mean(axis=-1)  # (H, W)
+        png = await self.run(heatmap_png, pixels, vs_uniform(grid, C))
+        return Explained(
+            model=meta.name, iterations=meta.iterations, prediction=top_labels(probabilities, meta.labels, 1)[0],
+            uniform=1.0 / C, selectivity=selectivity(explanation.part_whole[0]), grid=grid.tolist(), capsules=top,
+            heatmap_png=base64.b64encode(png).decode(),
+        )  # fmt: skip
+
+    def describe(self) -> dict[str, Any]:
+        """GET /model: the served models (with their store tags), batching, limits, versions."""
+
+        def model(runtime: Runtime | None, source: ModelSource | None) -> dict[str, Any] | None:
+            if runtime is None:
+                return None
+            return {**asdict(runtime.metadata), "input_shape": list(runtime.metadata.input_shape),
+                    "backend": runtime.backend, "providers": list(runtime.providers), "precision": runtime.precision,
+                    "precision_reason": runtime.precision_reason,
+                    "source": str(source.path) if source else None, "tag": source.tag if source else None}  # fmt: skip
+
+        import bentoml
+
+        s = self.settings
+        return {
+            "single_label": model(self.runtime, self.source),
+            "multi_label": model(self.multilabel_runtime, self.multilabel_source),
+            "explain": model(self.explainer, self.source),
+            "batching": {
+                "enabled": self.batching,
+                "max_batch_size": s.max_batch_size,
+                "max_latency_ms": s.max_latency_ms,
+                "batches_in_flight": self.batches_in_flight(),
+            },
+            "limits": {"max_bytes": s.max_bytes, "max_pixels": s.max_pixels, "max_images": s.max_images},
+            "versions": {"capserve": self.runtime.metadata.capserve_version, "bentoml": bentoml.__version__},
+        }

@@ -1,0 +1,301 @@
+"""``RequestGuard``, the ASGI middleware in front of BentoML: body-size limit (413), multipart parsed once and
+checked (field names, media types, query parameters), and one JSON error shape ``{"error": "..."}`` for every
+4xx/5xx."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from contextvars import ContextVar
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import parse_qsl
+
+from pydantic import WrapValidator
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------- request guard (ASGI)
+
+
+def _json_response(status: int, message: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    body = json.dumps({"error": message}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    start = {"type": "http.response.start", "status": status, "headers": headers}
+    return start, {"type": "http.response.body", "body": body}
+
+
+class RequestGuard:
+    """ASGI middleware in front of BentoML: a body size limit (413) and the image routes' body formats.
+
+    The image routes take a multipart form (the API's parameters, the image(s) as file fields; parameters may also
+    be in the query string) or a raw ``image/*`` (or ``application/octet-stream``) body with the other parameters in
+    the query string. The body is parsed
+    here, once: malformed forms and file fields sent as text (which BentoML would fetch as URLs) get a 400, and any
+    other content type a 415. BentoML then receives the parameters as JSON, each image as a token for the bytes
+    parsed here (``guarded_upload``), instead of parsing the form a second time and writing each upload to a
+    temporary file for a ``Path`` parameter.
+    """
+
+    def __init__(self, app: Any, max_bytes: int, file_fields: Mapping[str, str], get_routes: tuple[str, ...] = (),
+                 unavailable: Mapping[str, str] | None = None, list_fields: frozenset[str] = frozenset(),
+                 parameters: Mapping[str, frozenset[str]] | None = None):  # fmt: skip
+        self.app, self.max_bytes, self.file_fields, self.get_routes = app, max_bytes, dict(file_fields), get_routes
+        self.unavailable = dict(unavailable or {})  # route → the 501 message (``unavailable_routes``)
+        self.list_fields = list_fields  # file fields that take a list of images
+        # route → its API's parameter names (``route_parameters``): any other name is a 400, not silently ignored
+        self.parameters = dict(parameters or {})
+
+    @staticmethod
+    def _body_once(body: bytes, then: Any = None) -> Any:
+        """An ASGI receive() that gives ``body`` once, then defers to ``then`` (the real one: disconnects)."""
+        sent = False
+
+        async def receive() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            if then is None:
+                return {"type": "http.disconnect"}
+            return await then()
+
+        return receive
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        _request_error.set({})
+        send = one_error_shape(scope, send)
+        if scope["method"] == "GET" and scope["path"].rstrip("/") in self.get_routes:
+            # BentoML APIs answer POST only; a GET on a parameterless API is the same call with an empty JSON body
+            headers = self._replace_headers(scope["headers"], "application/json", 2)
+            scope, receive = {**scope, "method": "POST", "headers": headers}, self._body_once(b"{}", receive)
+            return await self.app(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        if scope["path"].rstrip("/") in self.unavailable:
+            return await self._reply(send, 501, self.unavailable[scope["path"].rstrip("/")])
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            declared = int(headers.get("content-length", "0"))
+        except ValueError:
+            return await self._reply(send, 400, "Content-Length is not an integer")
+        if declared > self.max_bytes:
+            return await self._reply(send, 413, self._too_large(declared))
+        field = self.file_fields.get(scope["path"].rstrip("/"))
+        if field is None and "content-length" in headers:
+            return await self.app(scope, receive, send)  # within the limit: nothing to check or rewrite
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._reply(send, 413, self._too_large(size))
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if field is not None:
+            media = headers.get("content-type", "").split(";")[0].strip().lower()
+            if media.startswith("image/") or media == "application/octet-stream":
+                if not body:
+                    return await self._reply(send, 400, "the request body is empty; send an image")
+                try:
+                    parameters = self._query_parameters(scope.get("query_string", b""), field)
+                except ValueError as e:
+                    return await self._reply(send, 400, str(e))
+                images = [body]
+            elif media == "multipart/form-data":
+                parsed = await self._read_form(scope, body, field)
+                if isinstance(parsed[0], int):
+                    return await self._reply(send, *parsed)
+                parameters, images = parsed
+                # parameters may come in the query string as well (``curl -F image=@x.png '…/classify?top_k=1'``)
+                try:
+                    query = self._query_parameters(scope.get("query_string", b""), field)
+                except ValueError as e:
+                    return await self._reply(send, 400, str(e))
+                twice = sorted(name for name in query if name in parameters and query[name] != parameters[name])
+                if twice:
+                    return await self._reply(send, 400, f"{', '.join(twice)}: given in the form and in the query "
+                                                        "string with different values; give it once")  # fmt: skip
+                parameters = {**query, **parameters}
+            elif not body:
+                return await self._reply(send, 400, f"the request body is empty; send an image as the multipart "
+                                                    f"file field {field!r} or as a raw image/* body")  # fmt: skip
+            else:
+                return await self._reply(send, 415, f"Content-Type {media or '(none)'!r} is not accepted here; send "
+                                                    f"multipart/form-data with the file field {field!r}, or a raw "
+                                                    "image/* body")  # fmt: skip
+            known = self.parameters.get(scope["path"].rstrip("/"))
+            unknown = sorted(set(parameters) - known) if known is not None else []
+            if unknown:
+                return await self._reply(send, 400, f"{', '.join(map(repr, unknown))}: not a parameter of "
+                                                    f"{scope['path'].rstrip('/')} (its parameters: "
+                                                    f"{', '.join(sorted(known - {field}))})")  # fmt: skip
+            uploads = {f"{UPLOAD_TOKEN}{i}": image for i, image in enumerate(images)}
+            _uploads.set(uploads)
+            tokens = list(uploads)
+            parameters[field] = tokens if field in self.list_fields else tokens[0]
+            body = json.dumps(parameters).encode()
+            scope = {**scope, "headers": self._replace_headers(scope["headers"], "application/json", len(body))}
+        return await self.app(scope, self._body_once(body, receive), send)
+
+    def _too_large(self, size: int) -> str:
+        return f"the request body is {size:,} bytes; the limit is {self.max_bytes:,} (CAPSERVE_MAX_BYTES)"
+
+    @staticmethod
+    async def _reply(send: Any, status: int, message: str) -> None:
+        start, body = _json_response(status, message)
+        await send(start)
+        await send(body)
+
+    @staticmethod
+    def _value(text: str | bytes) -> Any:
+        """A form field or query parameter as BentoML reads it: JSON when it parses (``5``, ``0.3``), else text."""
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+
+    @staticmethod
+    def _query_parameters(query_string: bytes, field: str) -> dict[str, Any]:
+        parameters = {}
+        for name, value in parse_qsl(query_string.decode("latin-1")):
+            if not name.isidentifier() or "\r" in value or "\n" in value:
+                raise ValueError(f"query parameter {name!r} is not a valid API parameter")
+            if name != field:
+                parameters[name] = RequestGuard._value(value)
+        return parameters
+
+    @staticmethod
+    def _replace_headers(raw: list, content_type: str, length: int) -> list:
+        kept = [(k, v) for k, v in raw if k.lower() not in (b"content-type", b"content-length")]
+        return [*kept, (b"content-type", content_type.encode()), (b"content-length", str(length).encode())]
+
+    @staticmethod
+    async def _read_form(scope: dict, body: bytes, field: str) -> tuple[int, str] | tuple[dict[str, Any], list[bytes]]:
+        """The form's other fields (as BentoML reads them) and the file field's images, or (status, message)."""
+        from starlette.datastructures import UploadFile
+        from starlette.requests import Request
+
+        request = Request({k: v for k, v in scope.items() if k != "app"}, RequestGuard._body_once(body))
+        try:
+            form = await request.form()
+        except Exception as e:  # starlette raises MultiPartException, or HTTPException when it knows the app
+            return 400, f"malformed multipart body: {getattr(e, 'detail', None) or getattr(e, 'message', None) or e}"
+        try:
+            values = form.getlist(field)
+            if not values:
+                return 400, (f"the multipart body has no file field {field!r} (it has: "
+                             f"{', '.join(sorted(set(form.keys()))) or 'nothing'})")  # fmt: skip
+            if not all(isinstance(v, UploadFile) for v in values):
+                return 400, f"the field {field!r} must be a file upload, not text"
+            for value in values:
+                part_type = (value.content_type or "").split(";")[0].strip().lower()
+                if not part_type.startswith("image/"):
+                    return 415, (f"the file part {field!r} has Content-Type {part_type or '(none)'!r}; send it as "
+                                 "image/* (e.g. curl -F 'image=@cat.png;type=image/png')")  # fmt: skip
+            images = [await value.read() for value in values]
+            parameters = {}
+            for name in form:
+                if name != field:
+                    value = form[name]
+                    parameters[name] = RequestGuard._value(await value.read() if isinstance(value, UploadFile)
+                                                           else value)  # fmt: skip
+        finally:
+            await form.close()
+        return parameters, images
+
+
+# The images of the current request, parsed by RequestGuard: token → bytes (the JSON BentoML receives names them).
+_uploads: ContextVar[dict[str, bytes] | None] = ContextVar("capserve_uploads", default=None)
+
+
+UPLOAD_TOKEN = "capserve-upload:"
+
+
+def guarded_upload(value: Any, handler: Any) -> Any:
+    """Pydantic wrap validator of the image parameters: an upload token → the bytes RequestGuard parsed from this
+    request. Anything else goes to BentoML's own validation (a ``Path`` parameter: the upload in a temporary file)."""
+    if isinstance(value, str) and value.startswith(UPLOAD_TOKEN):
+        uploads = _uploads.get() or {}
+        if value not in uploads:
+            raise ValueError("send the image as a multipart file upload or as a raw image/* body")
+        return uploads[value]
+    return handler(value)
+
+
+GUARDED_UPLOAD = WrapValidator(guarded_upload)  # service.py: Annotated[Path, ContentType("image/*"), GUARDED_UPLOAD]
+
+
+def error_message(status: int, body: bytes) -> str:
+    """The one message of an error body in any of the shapes BentoML and Starlette send: ``{"error": ...}``,
+    ``[{"error": ...}]`` (BentoML's 4xx), ``{"error": ..., "detail": [pydantic errors]}``, or plain text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip() or HTTPStatus(status).phrase
+    while isinstance(data, list) and data:
+        data = data[0]
+    if not isinstance(data, dict):
+        return str(data)
+    details = data.get("detail")
+    if isinstance(details, list) and details and all(isinstance(d, dict) for d in details):
+        # pydantic: [{"loc": ["top_k"], "msg": "Input should be greater than or equal to 1", ...}]
+        return "; ".join(f"{'.'.join(str(p) for p in d.get('loc', ())) or 'request'}: {d.get('msg', d)}"
+                         for d in details)  # fmt: skip
+    message = data.get("error", data.get("detail", data))
+    return message if isinstance(message, str) else json.dumps(message)
+
+
+def one_error_shape(scope: dict, send: Any) -> Any:
+    """An ASGI send() that rewrites every error response to ``{"error": "..."}`` and logs it as one line
+    (method, path, status, reason); other responses pass through untouched. BentoML replaces the message of its
+    5xx responses with a generic one: a ``RequestError`` raised in this request (503, 501) leaves its own."""
+    held: dict[str, Any] = {}
+
+    async def wrapped(message: dict) -> None:
+        if message["type"] == "http.response.start" and message["status"] >= 400:
+            held["start"], held["body"] = message, b""
+            return None
+        if "start" not in held or message["type"] != "http.response.body":
+            return await send(message)
+        held["body"] += message.get("body", b"")
+        if message.get("more_body", False):
+            return None
+        status = held["start"]["status"]
+        known = _request_error.get() or {}
+        reason = known.get("message") or error_message(status, held["body"])  # BentoML hides 5xx messages
+        (log.warning if status < 500 else log.error)("%s %s %d %s", scope["method"], scope["path"], status, reason)
+        start, body = _json_response(status, reason)
+        start["headers"] += [(k, v) for k, v in held["start"].get("headers", [])
+                             if k.lower() not in (b"content-type", b"content-length")]  # fmt: skip
+        held.clear()
+        await send(start)
+        await send(body)
+
+    return wrapped
+
+
+# the message of the RequestError raised while serving the current request (set per request by RequestGuard)
+_request_error: ContextVar[dict[str, str] | None] = ContextVar("capserve_request_error", default=None)
+
+
+class QuietClientErrors(logging.Filter):
+    """Drops BentoML's "Exception on PATH" ERROR record (with traceback) for client errors (4xx, validation):
+    ``one_error_shape`` logs each of them as one line instead. Server errors keep their traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None:
+            return True
+        if type(error).__name__ == "ValidationError":  # pydantic's: the request's fields
+            return False
+        code = getattr(error, "error_code", None)
+        return not (code is not None and 400 <= int(code) < 500)

@@ -1,0 +1,38 @@
+"""The route tables: which field of which route carries an image, which routes need the multi-label model, and
+each route's parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from capserve.serving.settings import Settings
+
+NO_MULTILABEL_MODEL = (
+    "no multi-label model is served: start the server with CAPSERVE_MULTILABEL_MODEL set to a "
+    "multi_label model directory or model-store tag"
+)
+
+
+MULTILABEL_ROUTES = ("/multilabel", "/multilabel_logits")
+
+
+def unavailable_routes(settings: Settings) -> dict[str, str]:
+    """Routes this server answers with 501 before BentoML sees them, each with its how-to-fix message.
+
+    The batchable ``/multilabel_logits`` runs in BentoML's batching task, outside the request, and BentoML replaces
+    the message of a 5xx raised there with a generic one; answered here, the message reaches the client."""
+    if settings.multilabel_model.strip().lower() == "none":
+        return dict.fromkeys(MULTILABEL_ROUTES, NO_MULTILABEL_MODEL)
+    return {}
+
+
+def route_parameters(apis: Mapping[str, Any]) -> dict[str, frozenset[str]]:
+    """Each BentoML API's route → its parameter names (the fields of its input model), for ``RequestGuard``."""
+    return {api.route: frozenset(api.input_spec.model_fields) for api in apis.values()}
+
+
+FILE_FIELDS = {"/classify": "image", "/classify_batch": "images", "/multilabel": "image", "/explain": "image"}
+
+
+LIST_FIELDS = frozenset({"images"})  # file fields that take a list of images (the API's ``list[ImageFile]``)

@@ -1,0 +1,105 @@
+"""``Settings``: every ``CAPSERVE_*`` environment variable the service reads, parsed and checked once."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from capserve.data.images import DEFAULT_MAX_PIXELS
+from capserve.errors import ConfigurationError
+from capserve.runtime.precision import MIN_AGREEMENT, PRECISIONS
+
+BACKENDS = ("onnxruntime", "torch", "tensorrt")
+
+
+# ---------------------------------------------------------------------------------------------------- settings
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int) -> int | None:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigurationError(f"{name}={text!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigurationError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Service settings, each from the environment variable ``CAPSERVE_<FIELD>``."""
+
+    model: str = "models/cifar10"  # single-label model directory (/classify, /classify_batch, /explain)
+    multilabel_model: str = "models/multimnist"  # multi-label model directory (/multilabel); "none": no endpoint
+    backend: str = "onnxruntime"  # onnxruntime | torch | tensorrt
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    iterations: int | None = None  # torch backend only: routing iterations (ONNX/TensorRT fix T at export)
+    precision: str = "auto"  # fp32 | bf16 (torch backend) | auto: bf16 where the CPU has native bf16 and torch serves
+    bf16_min_agreement: float = MIN_AGREEMENT  # bf16 start-up check: least agreement with fp32, else fp32 is served
+    max_batch_size: int = 32  # adaptive batching: largest merged batch; 1 turns batching off
+    max_latency_ms: int = 10_000  # adaptive batching: a request queued longer is dropped with a 503
+    max_bytes: int = 8 * 2**20  # request body limit (413 above it)
+    max_pixels: int = DEFAULT_MAX_PIXELS  # decoded image limit (413 above it: decompression bombs)
+    max_images: int = 64  # images in one /classify_batch request
+    access_log: bool = False  # BentoML's access log line per request (~0.6 ms of the event loop each: off)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        d = cls()
+        backend = env.get("CAPSERVE_BACKEND", d.backend).strip() or d.backend
+        if backend not in BACKENDS:
+            raise ConfigurationError(f"CAPSERVE_BACKEND={backend!r}; choose one of: {', '.join(BACKENDS)}")
+        settings = cls(
+            model=env.get("CAPSERVE_MODEL", "").strip() or d.model,
+            multilabel_model=env.get("CAPSERVE_MULTILABEL_MODEL", "").strip() or d.multilabel_model,
+            backend=backend,
+            device=env.get("CAPSERVE_DEVICE", "").strip() or d.device,
+            iterations=_int(env, "CAPSERVE_ITERATIONS", None, 1),
+            max_batch_size=_int(env, "CAPSERVE_MAX_BATCH_SIZE", d.max_batch_size, 1),
+            max_latency_ms=_int(env, "CAPSERVE_MAX_LATENCY_MS", d.max_latency_ms, 1),
+            max_bytes=_int(env, "CAPSERVE_MAX_BYTES", d.max_bytes, 1024),
+            max_pixels=_int(env, "CAPSERVE_MAX_PIXELS", d.max_pixels, 64),
+            max_images=_int(env, "CAPSERVE_MAX_IMAGES", d.max_images, 1),
+            precision=env.get("CAPSERVE_PRECISION", "").strip().lower() or d.precision,
+            bf16_min_agreement=_fraction(env, "CAPSERVE_BF16_MIN_AGREEMENT", d.bf16_min_agreement),
+            access_log=_flag(env, "CAPSERVE_ACCESS_LOG", d.access_log),
+        )
+        if settings.precision not in PRECISIONS:
+            raise ConfigurationError(f"CAPSERVE_PRECISION={settings.precision!r}; choose one of: "
+                                     f"{', '.join(PRECISIONS)}")  # fmt: skip
+        if settings.precision == "bf16" and backend != "torch":
+            raise ConfigurationError(f"CAPSERVE_PRECISION=bf16 works with the torch backend only: {backend} serves "
+                                     "the precision of its exported graph. Set CAPSERVE_BACKEND=torch, or "
+                                     "CAPSERVE_PRECISION=fp32 or auto")  # fmt: skip
+        if settings.iterations is not None and backend != "torch":
+            raise ConfigurationError(f"CAPSERVE_ITERATIONS works with the torch backend only: {backend} artifacts "
+                                     "fix the routing iterations at export; re-export with `capserve export onnx DIR "
+                                     "-o DIR/model.onnx -T N` or unset CAPSERVE_ITERATIONS")  # fmt: skip
+        return settings
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    text = env.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text not in ("0", "1", "true", "false"):
+        raise ConfigurationError(f"{name}={text!r}: use 1 or 0")
+    return text in ("1", "true")
+
+
+def _fraction(env: Mapping[str, str], name: str, default: float) -> float:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigurationError(f"{name}={text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise ConfigurationError(f"{name}={value} must be in [0, 1]")
+    return value

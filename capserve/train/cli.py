@@ -1,0 +1,109 @@
+"""``capserve train``: the command line over ``capserve.train.train``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from capserve.configs import get_config, list_models
+from capserve.data.splits import parse_val_size
+from capserve.train.config import AMP, OPTIMIZERS, SCHEDULES, TrainConfig, read_resume_config
+from capserve.train.loop import train
+from capserve.train.state import init_architecture
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value (a model config field), got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help=f"model name: {', '.join(list_models())} (default with --init: its model's)")
+    p.add_argument(
+        "--data",
+        help="your images: a folder DIR/<label>/<images> (or DIR/train|val|test/<label>/...) "
+        "or a CSV (image,labels[,split]); or the folder with the CIFAR/MNIST files (see capserve.data)",
+    )
+    p.add_argument(
+        "--image-size", type=int, metavar="N", help="your images: the model's input side (default: the config's)"
+    )
+    p.add_argument(
+        "--init",
+        metavar="MODEL_DIR",
+        help="fine-tune: start from this model folder's weights (every "
+        "tensor whose shape matches; the class layer starts afresh when the labels differ)",
+    )
+    p.add_argument("--out", help="output folder (checkpoints, metrics, plot)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model config override (JSON)")
+    p.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR (its last/ checkpoint)")
+    p.add_argument("--epochs", type=int, default=350)
+    p.add_argument("--batch-size", type=int, default=128, help="global batch size (all processes together)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="sgd (with momentum, default) or adam")
+    p.add_argument("--lr", type=float, help="base learning rate (default: 0.1 for SGD, 1e-3 for Adam)")
+    p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9; Adam takes none)")
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--schedule", choices=SCHEDULES, default="step")
+    p.add_argument("--amp", choices=tuple(AMP), default="off", help="autocast dtype (bf16 works on CPU too)")
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop cleanly after this much training")
+    p.add_argument("--max-steps", type=int, help="stop cleanly after this many steps in this run")
+    p.add_argument("--grad-clip", type=float, metavar="NORM")
+    p.add_argument(
+        "--val-size",
+        type=parse_val_size,
+        help="validation images carved from the training set where "
+        "the data has no val split: a count (500) or a fraction (0.1); default 5000 for CIFAR/MNIST, "
+        "0.1 for your own images",
+    )
+    p.add_argument("--epoch-size", type=int, help="DiverseMultiMNIST: generated images per epoch (default 60000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-batch-size", type=int, default=500)
+    p.add_argument("--no-test", action="store_true", help="skip the final test-set evaluation")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+
+
+def run(args: argparse.Namespace) -> int:
+    resume = args.resume
+    if resume:
+        saved = read_resume_config(resume)
+        keep = {"data": args.data, "out": args.out, "time_budget": args.time_budget, "device": args.device}
+        cfg = dataclasses.replace(saved, **{k: v for k, v in keep.items() if v not in (None, "auto")})
+        if not args.out:
+            cfg = dataclasses.replace(cfg, out=str(Path(resume) if (Path(resume) / "last").is_dir()
+                                                   else Path(resume).parent))  # fmt: skip
+    else:
+        model, overrides = args.model, _parse_set(args.set)
+        if args.init and not args.model:
+            model, architecture = init_architecture(args.init)
+            overrides = {**architecture, **overrides}
+        missing = [f"--{k}" for k, v in (("model", model), ("data", args.data), ("out", args.out)) if not v]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)} (or give --resume DIR)")
+        cfg = TrainConfig(model=model, data=args.data, out=args.out, overrides=overrides, optimizer=args.optimizer,
+                          epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
+                          weight_decay=args.weight_decay, schedule=args.schedule, amp=args.amp,
+                          channels_last=args.channels_last, time_budget=args.time_budget, max_steps=args.max_steps,
+                          grad_clip=args.grad_clip, val_size=args.val_size, epoch_size=args.epoch_size,
+                          seed=args.seed, eval_batch_size=args.eval_batch_size, test=not args.no_test,
+                          device=args.device, image_size=args.image_size, init=args.init)  # fmt: skip
+        get_config(cfg.model, **cfg.overrides)  # fail early on a bad --set
+    if resume:  # a step limit applies to one invocation, never to the resumed one
+        cfg = dataclasses.replace(cfg, max_steps=args.max_steps)
+    summary = train(cfg, resume=resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(summary, indent=1))
+    return 0

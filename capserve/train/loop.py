@@ -1,0 +1,462 @@
+"""``capserve train``: the authors' recipe by default, shorter schedules, mixed precision, DDP through torchrun.
+
+Defaults reproduce Tsai et al. (2020): SGD lr 0.1, momentum 0.9, weight decay 5e-4, batch 128, 350 epochs, lr ×0.1
+at epochs 150 and 250 (``--schedule step``; with other ``--epochs`` the milestones stay at 3/7 and 5/7 of the run),
+cross-entropy for single-label data, BCE-with-logits and exact-match accuracy for DiverseMultiMNIST.
+``--optimizer adam`` (lr 1e-3 unless ``--lr`` is given) is the optimizer of the dynamic-routing paper (Sabour et al.
+2017: Adam with TensorFlow's defaults) and of the EM reproductions, and what the README's short EM and dynamic-routing
+runs use.
+
+Unlike the authors (who kept the best *test* epoch), the best epoch is chosen on a validation split carved from the
+training set (``--val-size``, fixed seed); the test set is evaluated once, at the end, on the best checkpoint.
+
+Output folder: ``last/`` (every epoch: model + ``optimizer.safetensors`` + ``trainer.json``; ``--resume`` continues
+from it exactly), ``best/`` (a plain model directory for ``capserve.load``), ``metrics.jsonl`` (one line per epoch),
+``curves.png`` and ``summary.json``.
+
+Schedules: ``step`` (above), ``cosine`` (to 0), ``onecycle`` (linear warm-up from lr/25 over the first 15 %, then
+cosine to 0). With ``--time-budget`` the cosine and one-cycle schedules run on max(step progress, wall-clock progress),
+so the lr reaches 0 when the budget ends whatever the speed of the machine; the run then stops cleanly and keeps its
+best checkpoint. Such a run depends on timing, so only runs without a time budget resume bit-exactly.
+
+Your own images (``--data`` a folder of label folders or a CSV manifest, see ``capserve.data.own``): the model's labels,
+task and input size (``--image-size``) come from the data; images are decoded once into a cache in the run folder;
+validation is the data's ``val`` split or ``--val-size`` (default 10 %) carved from train; multi-label runs calibrate
+per-class thresholds on validation at the end. ``--init MODEL_DIR`` fine-tunes from a trained model.
+
+Multi-GPU / multi-node: ``torchrun --nproc_per_node N -m capserve.cli train ...``. ``--batch-size`` is the global
+batch; each of the N processes takes its slice of the same seeded order (NCCL on GPUs, gloo on CPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from capserve.configs import ModelConfig, get_config
+from capserve.data.augment import random_crop_flip
+from capserve.data.builtin import Data, dataset_for, load_test, load_training
+from capserve.data.own import (
+    CACHE_FILE,
+    InputSize,
+    Manifest,
+    build_cache,
+    check_training,
+    is_own_data,
+    scan,
+    with_validation,
+)
+from capserve.data.preprocess import normalize
+from capserve.data.splits import Split
+from capserve.model.checkpoint import save_model
+from capserve.model.factory import Model
+from capserve.model.factory import build_model as model_from_config
+from capserve.model.factory import load as load_model
+from capserve.plots import plot_curves
+from capserve.routing.losses import training_loss
+from capserve.train.config import AMP, DEFAULT_VAL_SIZE, TrainConfig, lr_factor
+from capserve.train.distributed import Dist, setup_distributed
+from capserve.train.state import _load_state, _provenance, _save_state, init_from
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------------- checkpoints
+
+
+def make_optimizer(model: Model, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """SGD with momentum (the default, the authors'), or Adam; both with L2 weight decay ``cfg.weight_decay``."""
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+# ------------------------------------------------------------------------------------------------- metrics
+
+
+def improves(acc: float, loss: float | None, best_acc: float | None, best_loss: float | None) -> bool:
+    """Whether an epoch with validation ``acc`` and ``loss`` beats the best so far. A tie in accuracy (a slow learner's
+    early epochs stay at 0 % exact match) goes to the lower loss, which every loss computes at its end-of-training
+    margin when validating, so that epochs compare."""
+    if best_acc is None or acc > best_acc:
+        return True
+    return acc == best_acc and loss is not None and (best_loss is None or loss < best_loss)
+
+
+def loss_and_hits(logits: Tensor, targets: Tensor, config: ModelConfig, progress: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Mean loss (``config``'s routing's own, ``capserve.routing.losses``) and the number of correct images (top-1, or
+    exact match of logits > 0 for multi-label); ``progress`` is the fraction of training done (for schedules)."""
+    logits = logits.float()
+    multi_label = config.task == "multi_label"
+    loss = training_loss(config)(logits, targets, multi_label, progress)
+    if multi_label:
+        hits = ((logits > 0) == (targets > 0.5)).all(dim=1).sum()
+    else:
+        hits = (logits.argmax(dim=1) == targets).sum()
+    return loss, hits
+
+
+@torch.no_grad()
+def validate(model: Model, split: Split, cfg: TrainConfig, device: torch.device, d: Dist) -> dict[str, float]:
+    """Loss and accuracy over ``split``, sharded over the processes of a DDP run."""
+    model.eval()
+    c = model.config
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss·n, hits, n
+    shard = range(d.rank * cfg.eval_batch_size, len(split), d.world * cfg.eval_batch_size)
+    for start in shard:
+        x = normalize(split.images[start : start + cfg.eval_batch_size].to(device), c.mean, c.std)
+        y = split.targets[start : start + cfg.eval_batch_size].to(device)
+        if cfg.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with _autocast(device, cfg.amp):
+            logits = model(x)
+        loss, hits = loss_and_hits(logits, y, c)
+        sums += torch.stack([loss.double() * len(y), hits.double(), torch.tensor(len(y), device=device).double()])
+    if d.enabled:
+        dist.all_reduce(sums)
+    model.train()
+    loss, hits, n = sums.tolist()
+    return {"loss": loss / max(n, 1), "acc": hits / max(n, 1)}
+
+
+def _autocast(device: torch.device, amp: str):  # type: ignore[no-untyped-def]
+    dtype = AMP[amp]
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+
+# ------------------------------------------------------------------------------------------------- training
+
+
+def val_size_of(cfg: TrainConfig, own: bool) -> int | float:
+    return cfg.val_size if cfg.val_size is not None else DEFAULT_VAL_SIZE["own" if own else "builtin"]
+
+
+def build_model(cfg: TrainConfig, manifest: Manifest | None = None) -> Model:
+    """The model to train: the named config, with the labels, task and input size of a user's data if given."""
+    config = get_config(cfg.model, **cfg.overrides)
+    val_size = val_size_of(cfg, manifest is not None)
+    if manifest is None:
+        if cfg.image_size is not None:
+            raise ValueError("--image-size works with your own images (a folder or CSV); the built-in datasets have "
+                             "fixed sizes (use --set image_size=N to change a model config)")  # fmt: skip
+        data = {"dataset": dataset_for(config.labels, config.task, config.image_size), "val_size": val_size}
+    else:
+        config = dataclasses.replace(config, labels=manifest.labels, task=manifest.task, thresholds=None,
+                                     image_size=cfg.image_size or config.image_size)  # fmt: skip
+        data = {"dataset": manifest.kind, "source": str(manifest.source), "val_size": val_size}
+    torch.manual_seed(cfg.seed)
+    return model_from_config(dataclasses.replace(config, extra={**config.extra, "data": data}))
+
+
+def load_own_training(manifest: Manifest, model: Model, out: Path, d: Dist,
+                      device: torch.device) -> tuple[Data, Split | None, int]:  # fmt: skip
+    """A user's data decoded at the model's input (through the run folder's cache): training data, test, skipped."""
+    c = model.config
+    if d.enabled and not d.main:
+        dist.barrier()  # rank 0 decodes and writes the cache first; the others read it
+    own = build_cache(manifest, c.labels, InputSize(c.in_channels, c.image_size), out / CACHE_FILE)
+    if d.enabled and d.main:
+        dist.barrier()
+    train, val, test = (own.splits.get(s) for s in ("train", "val", "test"))
+    if train is None or not len(train):
+        raise ValueError(f"no readable training images in {manifest.source}")
+    val = val.to(device) if val is not None and len(val) else None
+    return Data(manifest.kind, train.to(device), None, val, len(train)), test, own.skipped
+
+
+def train(cfg: TrainConfig, resume: str | Path | None = None) -> dict[str, Any]:
+    """Run training as ``cfg`` says (continuing from ``resume``'s ``last/`` if given); return the summary."""
+    d, device = setup_distributed(cfg.device)
+    try:
+        return _train(cfg, resume, d, device)
+    finally:
+        if d.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass
+class Run:
+    """What a training run holds between its steps: the model and its optimizer, the data, the counters that
+    ``last/`` saves (``state``), and the wall clock of this process's part of the run."""
+
+    cfg: TrainConfig
+    d: Dist
+    device: torch.device
+    out: Path
+    model: Model
+    net: torch.nn.Module  # the model, or its DDP wrapper
+    opt: torch.optim.Optimizer
+    scaler: Any
+    data: Data
+    dataset: str
+    state: dict[str, Any]
+    manifest: Manifest | None = None
+    test_split: Split | None = None
+    skipped: int = 0
+    init: dict[str, Any] | None = None
+    resumed_elapsed: float = 0.0  # training seconds of the pieces before this one (--resume)
+    started: float = field(default_factory=time.perf_counter)
+    steps_this_run: int = 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.data.epoch_size // self.cfg.batch_size
+
+    def elapsed(self) -> float:
+        """Training seconds of the whole run, resumed pieces included."""
+        return self.resumed_elapsed + time.perf_counter() - self.started
+
+
+def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.device) -> Run:
+    """The data (built-in or the user's own), the model (``--init`` applied), its optimizer, and the state to start
+    from (``--resume``)."""
+    if cfg.batch_size % d.world:
+        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes {d.world}")
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.set_float32_matmul_precision("high")
+    out = Path(cfg.out)
+    manifest = None
+    if is_own_data(cfg.data):
+        manifest = scan(cfg.data)
+        check_training(manifest)
+        manifest, carved = with_validation(manifest, val_size_of(cfg, own=True))
+        if carved:
+            log.info("validation: %d images carved from %s's training images (seed 0)", carved, manifest.source)
+    model = build_model(cfg, manifest)
+    dataset = model.config.extra["data"]["dataset"]
+    init = init_from(model, cfg.init) if cfg.init and resume is None else None
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+    skipped, test_split = 0, None
+    if manifest is not None:
+        data, test_split, skipped = load_own_training(manifest, model, out, d, device)
+    else:
+        data = load_training(dataset, cfg.data, val_size_of(cfg, own=False), cfg.epoch_size, device)
+    if data.epoch_size < cfg.batch_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} exceeds the {data.epoch_size} training images per epoch")
+    model.to(device)
+    if cfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+    net: torch.nn.Module = model
+    if d.enabled:
+        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                                        else None)  # fmt: skip
+    opt = make_optimizer(model, cfg)
+    scaler = torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None
+    state: dict[str, Any] = {"epoch": 0, "batch": 0, "step": 0, "elapsed": 0.0, "best_acc": None, "best_epoch": None}
+    if resume is not None:
+        last = Path(resume) if (Path(resume) / "trainer.json").is_file() else Path(resume) / "last"
+        state = _load_state(last, model, opt, scaler, device)
+        log.info("resumed from %s at epoch %d, step %d", last, state["epoch"] + 1, state["step"])
+    run = Run(
+        cfg,
+        d,
+        device,
+        out,
+        model,
+        net,
+        opt,
+        scaler,
+        data,
+        dataset,
+        state,
+        manifest,
+        test_split,
+        skipped,
+        init,
+        resumed_elapsed=state["elapsed"],
+    )
+    if d.main:
+        (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+        log.info("%s on %s: %d train images/epoch, %d validation, %d steps/epoch, %d parameters", cfg.model,
+                 device, data.epoch_size, len(data.val) if data.val else 0, run.steps_per_epoch,
+                 sum(p.numel() for p in model.parameters()))  # fmt: skip
+    return run
+
+
+def augment(run: Run, x: Tensor, epoch: int, batch: int) -> Tensor:
+    """A training batch as the network sees it: augmented (uint8), then normalised with the model's mean/std."""
+    cfg, c = run.cfg, run.model.config
+    if run.dataset != "multimnist":  # the authors' CIFAR augmentation; DiverseMultiMNIST shifts are built in
+        g = torch.Generator(device=run.device).manual_seed(cfg.seed * 7_919 + epoch * 100_003 + batch)
+        x = random_crop_flip(x, max(1, c.image_size // 8), g)  # padding 4 at 32×32
+    x = normalize(x, c.mean, c.std)
+    return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
+
+
+def train_step(run: Run, x: Tensor, y: Tensor, progress: float) -> tuple[Tensor, Tensor, float]:
+    """One optimizer step at ``progress`` through the schedule: (loss, hits, lr)."""
+    cfg, opt, scaler = run.cfg, run.opt, run.scaler
+    lr = cfg.lr * lr_factor(cfg.schedule, progress, run.state["epoch"], cfg.epochs)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    with _autocast(run.device, cfg.amp):
+        logits = run.net(x)
+    loss, hits = loss_and_hits(logits, y, run.model.config, progress)
+    opt.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+    else:
+        loss.backward()
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    return loss.detach(), hits, lr
+
+
+def train_epoch(run: Run) -> tuple[dict[str, Any], bool]:
+    """The rest of the current epoch (from ``state["batch"]`` on a resumed run): its training record, and whether
+    the run must stop (``--max-steps`` or ``--time-budget`` reached)."""
+    cfg, d, state, device = run.cfg, run.d, run.state, run.device
+    epoch, steps = state["epoch"], run.steps_per_epoch
+    ep = run.data.epoch(epoch, cfg.seed, device)
+    local = cfg.batch_size // d.world
+    sums = torch.zeros(3, device=device)  # loss·n, hits, n
+    t_epoch, images, lr, stop = time.perf_counter(), 0, cfg.lr, False
+    run.net.train()
+    bar = tqdm(total=steps, initial=state["batch"], desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="step",
+               disable=not d.main, leave=False, dynamic_ncols=True, mininterval=0.5)  # fmt: skip
+    with logging_redirect_tqdm(), bar:
+        for b in range(state["batch"], steps):
+            lo = b * cfg.batch_size + d.rank * local
+            x, y = augment(run, ep.images[lo : lo + local], epoch, b), ep.targets[lo : lo + local]
+            p = state["step"] / (cfg.epochs * steps)
+            if cfg.time_budget is not None and cfg.schedule != "step":
+                p = max(p, run.elapsed() / cfg.time_budget)
+            loss, hits, lr = train_step(run, x, y, p)
+            sums += torch.stack([loss * len(y), hits.float(), torch.tensor(float(len(y)), device=device)])
+            state["step"], state["batch"] = state["step"] + 1, b + 1
+            run.steps_this_run += 1
+            images += len(y) * d.world
+            stop = _should_stop(cfg, run.steps_this_run, run.elapsed(), d, device)
+            bar.update()
+            if d.main and (stop or time.perf_counter() - bar.last_print_t >= bar.mininterval):
+                n = max(sums[2].item(), 1)
+                bar.set_postfix_str(f"loss {sums[0].item() / n:.4f} acc {100 * sums[1].item() / n:.2f}% lr {lr:.4g}")
+            if stop:
+                break
+    if d.enabled:
+        dist.all_reduce(sums)
+    n = max(sums[2].item(), 1)
+    record = {"epoch": epoch + 1, "step": state["step"], "lr": lr, "train_loss": sums[0].item() / n,
+              "train_acc": sums[1].item() / n, "images_per_s": images / max(time.perf_counter() - t_epoch, 1e-9),
+              "epoch_complete": state["batch"] >= steps}  # fmt: skip
+    return record, stop
+
+
+def end_epoch(run: Run, record: dict[str, Any]) -> None:
+    """Validation, the best epoch so far (``best/``), ``metrics.jsonl`` and the resumable ``last/``."""
+    cfg, d, state, data = run.cfg, run.d, run.state, run.data
+    epoch = record["epoch"] - 1
+    if data.val is not None:
+        v = validate(run.model, data.val, cfg, run.device, d)
+        record.update(val_loss=v["loss"], val_acc=v["acc"])
+    if record["epoch_complete"]:
+        state["epoch"], state["batch"] = epoch + 1, 0
+    state["elapsed"] = record["elapsed_s"] = run.elapsed()
+    score = record.get("val_acc", record["train_acc"] if data.val is None else None)
+    loss = record.get("val_loss")
+    improved = improves(score, loss, state["best_acc"], state.get("best_loss"))
+    if improved:
+        state["best_acc"], state["best_loss"], state["best_epoch"] = score, loss, epoch + 1
+    if d.main:
+        with open(run.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        val = f" | val loss {record['val_loss']:.4f} acc {100 * record['val_acc']:.2f}%" if data.val else ""
+        log.info("epoch %d/%d: train loss %.4f acc %.2f%%%s | %.0f img/s | %.0f s%s", epoch + 1, cfg.epochs,
+                 record["train_loss"], 100 * record["train_acc"], val, record["images_per_s"], state["elapsed"],
+                 " (best)" if improved else "")  # fmt: skip
+        if improved:
+            save_model(run.model, run.out / "best", extra={"training": _provenance(cfg, state),
+                                                           "metrics": {"val_acc": record.get("val_acc")}})  # fmt: skip
+        _save_state(run.out / "last", run.model, run.opt, run.scaler, state, cfg)
+    if d.enabled:
+        dist.barrier()
+
+
+def finish(run: Run) -> dict[str, Any]:
+    """After the last epoch: thresholds for multi-label models, the one test evaluation of ``best/``, and the
+    summary (``summary.json``, ``curves.png``)."""
+    cfg, d, state, data, c = run.cfg, run.d, run.state, run.data, run.model.config
+    device = run.device
+    summary: dict[str, Any] = {"model": cfg.model, "dataset": run.dataset, "best_epoch": state["best_epoch"],
+                               "best_val_acc": state["best_acc"] if data.val is not None else None,
+                               "steps": state["step"], "train_seconds": state["elapsed"],
+                               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                               "processes": d.world}  # fmt: skip
+    if run.manifest is not None:
+        summary.update(labels=list(c.labels), task=c.task, skipped_images=run.skipped)
+    if run.init is not None:
+        summary["init"] = {"from": run.init["from"], "loaded": len(run.init["loaded"]), "new": run.init["new"]}
+    if data.val is None and d.main:
+        log.warning("no validation split (--val-size 0): best/ is the epoch with the best training accuracy")
+    if c.task == "multi_label" and data.val is not None and state["best_epoch"] is not None and d.main:
+        summary["thresholds"] = calibrate_best(run.out / "best", data.val, cfg.eval_batch_size, device)
+    if cfg.test and state["best_epoch"] is not None and d.main:
+        test_split = run.test_split if run.manifest is not None else load_test(run.dataset, cfg.data)
+        if test_split is None or not len(test_split):
+            log.info("no test split in %s (a test/ folder or rows with split test): skipping the test evaluation",
+                     cfg.data)  # fmt: skip
+        else:
+            best = load_model(run.out / "best", device)
+            test = validate(best, test_split, cfg, device, Dist())
+            summary["test_acc"] = test["acc"]
+            log.info("test accuracy (best epoch %d, evaluated once): %.2f%%", state["best_epoch"], 100 * test["acc"])
+    return summary
+
+
+def _train(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.device) -> dict[str, Any]:
+    wall0 = time.perf_counter()
+    run = set_up(cfg, resume, d, device)
+    stop = False
+    while run.state["epoch"] < cfg.epochs and not stop:
+        record, stop = train_epoch(run)
+        end_epoch(run, record)
+    summary = finish(run)
+    summary["wall_seconds"] = time.perf_counter() - wall0
+    if d.main:
+        (run.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        if (run.out / "metrics.jsonl").is_file():
+            plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
+    return summary
+
+
+def calibrate_best(best_dir: Path, val: Split, batch_size: int, device: torch.device) -> list[float]:
+    """Multi-label: per-class thresholds fitted on the validation split, stored in ``best_dir``'s config."""
+    from capserve.evaluate import fit_thresholds, predict_logits, store_thresholds
+
+    best = load_model(best_dir, device)
+    thresholds = fit_thresholds(predict_logits(best, val, None, batch_size, device), val.targets.cpu())
+    store_thresholds(best_dir, best, thresholds)
+    log.info("thresholds calibrated on the validation split (stored in %s): %s", best_dir,
+             ", ".join(f"{lab} {t:.2f}" for lab, t in zip(best.config.labels, thresholds, strict=True)))  # fmt: skip
+    return list(thresholds)
+
+
+def _should_stop(cfg: TrainConfig, steps: int, elapsed: float, d: Dist, device: torch.device) -> bool:
+    stop = (cfg.max_steps is not None and steps >= cfg.max_steps) or (
+        cfg.time_budget is not None and elapsed >= cfg.time_budget
+    )
+    if d.enabled and cfg.time_budget is not None:  # rank 0's clock decides for everyone
+        flag = torch.tensor([float(stop)], device=device)
+        dist.broadcast(flag, 0)
+        stop = bool(flag.item())
+    return stop

@@ -1,0 +1,372 @@
+"""Your own images: folders and CSVs the tests generate (PNG, JPEG, grayscale, RGBA, palette, a corrupt file, a text
+file, nested train/val/test, label names with spaces and non-ASCII letters), through scan → cache → train →
+evaluate → fine-tune → ONNX → the real `bentoml serve`."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from support.data import write_easy_cifar10
+from support.models import tiny_overrides
+from support.server import start_server, stop, wait_ready
+
+import capserve
+from capserve.cli import main
+from capserve.data.images import load_image, preprocess
+from capserve.data.own import CACHE_FILE, InputSize, Sample, build_cache, carve, scan
+from capserve.errors import DataError
+from capserve.train.config import TrainConfig
+from capserve.train.loop import train
+from capserve.train.state import init_from
+
+# three labels that differ by colour, so a few steps learn them; names with a space and a non-ASCII letter
+COLOURS = {"red fox": (230, 30, 30), "blue whale": (30, 40, 230), "grüne Wiese": (30, 210, 40)}
+LABELS = tuple(sorted(COLOURS))
+SIZE = 16  # the models' input side in these tests
+MODES = ("RGB", "L", "RGBA", "P")
+
+
+def picture(label: str, seed: int, side: int = 20, mode: str = "RGB", fmt: str = "PNG") -> bytes:
+    """A noisy picture of ``label``'s colour, encoded in ``fmt`` from a ``mode`` image."""
+    rng = np.random.default_rng(seed)
+    pixels = np.clip(np.array(COLOURS[label]) + rng.integers(-25, 26, (side, side + 4, 3)), 0, 255).astype(np.uint8)
+    image = Image.fromarray(pixels)
+    if mode == "RGBA":
+        alpha = np.full((side, side + 4), 255, np.uint8)
+        alpha[:2] = 0  # a transparent band: composited over white, as the service does
+        image.putalpha(Image.fromarray(alpha))
+    elif mode == "P":
+        image = image.quantize(16)
+    elif mode != "RGB":
+        image = image.convert(mode)
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return buffer.getvalue()
+
+
+def write_images(directory: Path, per_label: int, seed: int = 0) -> list[Path]:
+    """``directory/<label>/`` with ``per_label`` images each, cycling formats and modes (one in a sub-folder)."""
+    files = []
+    for li, label in enumerate(LABELS):
+        for i in range(per_label):
+            mode = MODES[i % len(MODES)]
+            fmt = "JPEG" if i % 3 == 1 and mode in ("RGB", "L") else "PNG"
+            sub = directory / label / ("nested" if i == 0 else "")
+            sub.mkdir(parents=True, exist_ok=True)
+            path = sub / f"{i:03d}.{fmt.lower().replace('jpeg', 'jpg')}"
+            path.write_bytes(picture(label, seed * 1000 + li * 100 + i, mode=mode, fmt=fmt))
+            files.append(path)
+    return files
+
+
+def write_folder(root: Path, train: int = 12, val: int = 0, test: int = 0) -> Path:
+    """``root/<label>/...`` (no val/test) or ``root/train|val|test/<label>/...``."""
+    if not val and not test:
+        write_images(root, train)
+    else:
+        for split, n, seed in (("train", train, 0), ("val", val, 1), ("test", test, 2)):
+            if n:
+                write_images(root / split, n, seed)
+    (root / LABELS[0] / "notes.txt" if not (val or test) else root / "train" / LABELS[0] / "notes.txt").write_text("x")
+    return root
+
+
+def write_csv(root: Path, rows: list[tuple[str, str, str]], header: str = "image,labels,split") -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    lines = [header, *(",".join(r) for r in rows)]
+    path = root / "data.csv"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def multi_label_csv(root: Path, n: int = 36) -> Path:
+    """Pictures holding one or two colours side by side; labels are single words, split column train/val/test."""
+    names = {"red": "red fox", "blue": "blue whale", "green": "grüne Wiese"}
+    rows = []
+    rng = np.random.default_rng(0)
+    (root / "img").mkdir(parents=True)
+    for i in range(n):
+        chosen = sorted(rng.choice(list(names), size=1 + i % 2, replace=False))
+        halves = [np.asarray(Image.open(io.BytesIO(picture(names[c], i)))) for c in chosen]
+        pixels = np.concatenate([h[:, : 24 // len(halves)] for h in halves], axis=1)
+        Image.fromarray(pixels).save(root / "img" / f"{i}.png")
+        split = "test" if i % 6 == 5 else "val" if i % 6 == 4 else "train"
+        rows.append((f"img/{i}.png", " ".join(chosen), split))
+    return write_csv(root, rows)
+
+
+def config(data: Path, out: Path, model: str = "cifar10-simple", **kw) -> TrainConfig:
+    base = dict(overrides=tiny_overrides(model), epochs=2, batch_size=8, lr=0.05, eval_batch_size=16, device="cpu",
+                image_size=SIZE, schedule="cosine")  # fmt: skip
+    return TrainConfig(model=model, data=str(data), out=str(out), **{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """train/ (34 per label and one truncated file: under 1 % fail) and test/ (4 per label); no val/: it is carved."""
+    root = write_folder(tmp_path_factory.mktemp("own") / "photos", train=34, test=4)
+    (root / "train" / LABELS[1] / "broken.png").write_bytes(picture(LABELS[1], 0)[:60])  # truncated PNG
+    return root
+
+
+@pytest.fixture(scope="module")
+def run(folder, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("run") / "mine"
+    return out, train(config(folder, out, epochs=4, val_size=6))
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def test_folder_labels_splits_and_ignored_files(tmp_path):
+    root = write_folder(tmp_path / "flat", train=5)
+    (root / ".hidden").mkdir()
+    (root / ".hidden" / "x.png").write_bytes(picture(LABELS[0], 1))
+    manifest = scan(root)
+    assert manifest.kind == "folder" and manifest.task == "single_label" and not manifest.named_splits
+    assert manifest.labels == LABELS == ("blue whale", "grüne Wiese", "red fox")  # exact names, sorted
+    assert len(manifest.splits["train"]) == 15  # notes.txt and the hidden folder ignored, nested/ found
+    assert any("nested" in s.where for s in manifest.splits["train"])
+    named = scan(write_folder(tmp_path / "named", train=3, val=2, test=1))
+    assert named.named_splits and {k: len(v) for k, v in named.splits.items()} == {"train": 9, "val": 6, "test": 3}
+
+
+def test_cache_holds_exactly_what_the_service_decodes(folder, tmp_path):
+    manifest = scan(folder)
+    spec = InputSize(3, SIZE)
+    cache = tmp_path / "cache.safetensors"
+    built = build_cache(manifest, LABELS, spec, cache)
+    assert not built.from_cache and built.skipped == 1  # the truncated PNG
+    train = built.splits["train"]
+    readable = [s for s in manifest.splits["train"] if s.path.name != "broken.png"]
+    assert len(train) == len(readable) == 102
+    for row, sample in enumerate(readable):  # every mode and format: pixel for pixel the service's preprocessing
+        assert torch.equal(train.images[row], torch.from_numpy(load_image(sample.path.read_bytes(), spec)))
+        assert LABELS[int(train.targets[row])] == sample.labels[0]
+    again = build_cache(manifest, LABELS, spec, cache)
+    assert again.from_cache and torch.equal(again.splits["train"].images, train.images) and again.skipped == 1
+    changed = readable[3].path
+    changed.write_bytes(picture(LABELS[0], 99))  # new content → decoded again
+    os.utime(changed, ns=(1, 1))
+    rebuilt = build_cache(manifest, LABELS, spec, cache)
+    assert not rebuilt.from_cache
+    assert not build_cache(manifest, LABELS, InputSize(3, 24), cache).from_cache  # another size
+
+
+def test_more_than_one_percent_unreadable_stops_with_the_list(tmp_path, capsys):
+    root = write_folder(tmp_path / "bad", train=4)
+    (root / LABELS[0] / "a.png").write_bytes(b"not an image")
+    (root / LABELS[2] / "b.jpg").write_bytes(b"\xff\xd8\xff truncated")
+    with pytest.raises(DataError, match=r"2 of 14 images .* cannot be read") as e:
+        build_cache(scan(root), LABELS, InputSize(3, SIZE), None)
+    assert "red fox/b.jpg" in str(e.value) and "blue whale/a.png" in str(e.value)
+
+
+def test_stratified_carve_is_seeded_and_keeps_every_label():
+    samples = [Sample(Path(f"{c}{i}"), (c,), "") for c, n in (("a", 80), ("b", 15), ("c", 5)) for i in range(n)]
+    train_idx, val_idx = carve(samples, 20, stratified=True)
+    assert (train_idx, val_idx) == carve(samples, 20, stratified=True)  # fixed seed
+    counts = {c: sum(samples[i].labels[0] == c for i in val_idx) for c in "abc"}
+    assert counts == {"a": 16, "b": 3, "c": 1} and len(train_idx) == 80
+    assert sorted(train_idx + val_idx) == list(range(100))
+    tiny = [Sample(Path(c), (c,), "") for c in "abc"] + [Sample(Path("a2"), ("a",), "")]
+    with pytest.raises(DataError, match="without a training image"):
+        carve(tiny, 2, stratified=True)  # only one a can go: b and c have a single image each
+    assert capserve.data.resolve_val_size(0.1, 100) == 10 and capserve.data.resolve_val_size(7, 100) == 7
+    assert capserve.data.parse_val_size("10%") == 0.1 and capserve.data.parse_val_size("500") == 500
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: d, "no images found"),
+        (lambda d: ([(d / f"{i}.png").write_bytes(picture(LABELS[0], i)) for i in range(3)], d)[1], "3 images lie"),
+        (
+            lambda d: (
+                write_images(d, 2),
+                [p.unlink() for p in (d / LABELS[1]).rglob("*.*")],
+                [p.unlink() for p in (d / LABELS[2]).rglob("*.*")],
+                d,
+            )[-1],
+            "1 label folder ('blue whale')",
+        ),
+        (
+            lambda d: (
+                write_images(d / "train", 2),
+                write_images(d / "val", 1),
+                (d / "val" / "zebra").mkdir(),
+                (d / "val" / "zebra" / "z.png").write_bytes(picture(LABELS[0], 1)),
+                d,
+            )[-1],
+            "'zebra' (first in val: val/zebra/z.png)",
+        ),
+        (lambda d: write_csv(d, [("x.png", "a", "train")], header="file,labels"), "lacks the column(s) image"),
+        (
+            lambda d: write_csv(d, [("ok.png", "a", "train"), ("../up.png", "b", "train")]),
+            "line 3: image path '../up.png' leaves",
+        ),
+        (lambda d: write_csv(d, [("/etc/passwd", "a", "train")]), "line 2: image path '/etc/passwd' is absolute"),
+        (
+            lambda d: write_csv(d, [("a.png", "a", "train"), ("b.png", "b", "train"), ("c.png", "c", "val")]),
+            "'c' (first in val: data.csv line 4)",
+        ),
+        (lambda d: write_csv(d, [("a.png", "a", "training")]), "line 2: split 'training'"),
+    ],
+    ids=[
+        "empty",
+        "loose-images",
+        "single-class",
+        "unknown-val-label",
+        "csv-columns",
+        "csv-escape",
+        "csv-absolute",
+        "csv-unknown-val-label",
+        "csv-split",
+    ],
+)
+def test_clear_errors_without_tracebacks(tmp_path, capsys, make, message):
+    (tmp_path / "d").mkdir()
+    data = make(tmp_path / "d")
+    code = main(["train", "--model", "cifar10-simple", "--data", str(data), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+def test_training_on_a_folder(run, folder):
+    out, summary = run
+    best = capserve.load(out / "best")
+    c = best.config
+    assert c.labels == LABELS and c.task == "single_label" and c.image_size == SIZE
+    assert c.extra["data"] == {"dataset": "folder", "source": str(folder), "val_size": 6}
+    assert summary["skipped_images"] == 1 and summary["labels"] == list(LABELS)
+    assert 0 <= summary["test_acc"] <= 1  # test/ evaluated once, at the end
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"] and "val_acc" in rows[0]
+    assert (out / CACHE_FILE).is_file()
+
+
+def test_resume_reuses_the_cache(run, caplog):
+    out, _ = run
+    with caplog.at_level(logging.INFO):
+        assert main(["train", "--resume", str(out)]) == 0  # the run is complete: nothing to train
+    assert "decoded images reused" in caplog.text and "decoding" not in caplog.text.replace("decoded images", "")
+
+
+def test_image_size_is_for_own_images(tmp_path, capsys):
+
+    cifar = write_easy_cifar10(tmp_path / "c").parent
+    assert main(["train", "--model", "cifar10-simple", "--data", str(cifar), "--out", str(tmp_path / "r"),
+                 "--image-size", "16"]) == 2  # fmt: skip
+    assert "--image-size works with your own images" in capsys.readouterr().err
+
+
+def test_evaluate_json_and_confusion_png(run, folder, tmp_path, capsys):
+    out, _ = run
+    assert main(["evaluate", str(out / "best"), "--data", str(folder), "--iterations", "1,2", "--json",
+                 "--out", str(tmp_path / "ev")]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)  # one JSON object and nothing else on stdout
+    assert report["images"] == 12 and report["labels"] == list(LABELS) and report["split"] == "test"
+    m = report["results"]["2"]
+    assert set(m) >= {"top1", "top3", "precision", "recall", "f1", "support", "confusion", "macro_f1"}
+    assert m["support"] == [4, 4, 4] and sum(map(sum, m["confusion"])) == 12
+    assert Image.open(tmp_path / "ev" / "confusion.png").size[0] > 100
+    assert json.loads((tmp_path / "ev" / "evaluation.json").read_text())["results"]["1"]["support"] == [4, 4, 4]
+    assert main(["evaluate", str(out / "best"), "--data", str(folder), "--split", "val", "--iterations", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "grüne Wiese" in text and "precision" in text and "(6 images" in text  # the carved validation split
+    bare = write_folder(tmp_path / "unseen", train=2)  # a plain folder: every image is evaluated
+    assert main(["evaluate", str(out / "best"), "--data", str(bare), "--iterations", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["images"] == 6
+
+
+def test_multi_label_csv_trains_calibrates_and_evaluates(tmp_path, capsys):
+    csv_path = multi_label_csv(tmp_path / "csv")
+    summary = train(config(csv_path, tmp_path / "ml", model="multimnist-matrix-small", epochs=2))  # any config
+    c = capserve.read_config(tmp_path / "ml" / "best")
+    assert c.task == "multi_label" and c.labels == ("blue", "green", "red")
+    assert c.thresholds is not None and summary["thresholds"] == list(c.thresholds)  # calibrated on val
+    assert main(["evaluate", str(tmp_path / "ml" / "best"), "--data", str(csv_path), "--iterations", "2",
+                 "--json"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert report["images"] == 6 and set(report["results"]["2"]) == {"exact_match", "f1", "macro_f1", "ranked_recall"}
+
+
+def test_fine_tuning_loads_matching_tensors(run, tmp_path):
+    out, _ = run
+    source = capserve.load(out / "best")
+    other = capserve.create_model("cifar10-simple", **tiny_overrides("cifar10-simple"), image_size=SIZE,
+                                  labels=("cat", "dog"))  # fmt: skip
+    report = init_from(other, out / "best")
+    class_layer = f"capsules.{len(other.capsules) - 1}."
+    assert report["new"] and all(k.startswith(class_layer) for k in report["new"])  # two labels, not three
+    for name in report["loaded"]:
+        assert torch.equal(other.state_dict()[name], source.state_dict()[name])
+    relabelled = capserve.create_model("cifar10-simple", **tiny_overrides("cifar10-simple"), image_size=SIZE,
+                                       labels=("a", "b", "c"))  # fmt: skip
+    same_shapes = init_from(relabelled, out / "best")  # same shapes, other labels: the class layer starts afresh
+    assert any(k.startswith(class_layer) for k in same_shapes["new"])
+    two = write_folder(tmp_path / "two", train=4)
+    for p in (two / LABELS[2]).rglob("*.*"):
+        p.unlink()
+    code = main(["train", "--init", str(out / "best"), "--data", str(two), "--out", str(tmp_path / "ft"),
+                 "--epochs", "1", "--batch-size", "4", "--val-size", "2", "--no-test"])  # fmt: skip
+    assert code == 0
+    tuned = capserve.read_config(tmp_path / "ft" / "best")
+    assert tuned.labels == LABELS[:2] and tuned.image_size == SIZE and tuned.backbone_channels == 8  # --init's model
+
+
+# ------------------------------------------------------------------------------------------------ serving
+
+
+@pytest.mark.slow
+def test_served_model_answers_with_the_users_labels(run, folder, tmp_path):
+
+    out, _ = run
+    best = out / "best"
+    assert main(["export", "onnx", str(best), "-o", str(best / "model.onnx")]) == 0  # as the README says
+    proc, url, log = start_server(tmp_path, CAPSERVE_MODEL=str(best), CAPSERVE_MULTILABEL_MODEL="none")
+    try:
+        wait_ready(proc, url, log)
+        picture_file = sorted((folder / "test" / "red fox").glob("*.png"))[0]
+        with open(picture_file, "rb") as f:
+            r = httpx.post(f"{url}/classify", files={"image": (picture_file.name, f, "image/png")},
+                           data={"top_k": "3"}, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        predictions = r.json()["predictions"]
+        assert sorted(p["label"] for p in predictions) == sorted(LABELS)
+        # the service's probabilities are those of the trained model on the same preprocessing
+        x = preprocess(picture_file.read_bytes(), capserve.read_config(best))
+        with torch.inference_mode():
+            probs = torch.softmax(capserve.load(best)(torch.from_numpy(x)), dim=1)[0]
+        for p in predictions:
+            assert p["probability"] == pytest.approx(float(probs[LABELS.index(p["label"])]), abs=1e-4)
+    finally:
+        stop(proc)
+
+
+def test_bench_data_refuses_fewer_images_than_its_validation_carve(tmp_path: Path) -> None:
+    """benchmarks/bench_data.py holds 500 images out for validation: asking for fewer stops at once with a usage
+    line (exit 2), not a ValueError traceback after writing the PNGs and building the cache."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_data.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--cifar", str(tmp_path), "--images", "200"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--images must be more than 500" in done.stderr
+    assert "Traceback" not in done.stderr

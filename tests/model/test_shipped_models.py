@@ -1,0 +1,71 @@
+"""The shipped models (``models/cifar10``, ``models/multimnist``: what ``make serve`` serves) on real images.
+
+Their weights are the ones their ONNX files were exported from (the SHA-256 the metadata records), and they score
+the committed real-image fixture (tests/support/real_images.py, with the measured figures) through eager torch and ONNX
+Runtime. The real server scores the same images in tests/serving/test_service_paths.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support import real_images
+
+import capserve
+from capserve.data.preprocess import normalize_images
+from capserve.runtime import load_runtime
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = {"cifar10": ROOT / "models" / "cifar10", "multimnist": ROOT / "models" / "multimnist"}
+
+pytest.importorskip("onnxruntime")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_shipped_weights_are_the_ones_the_onnx_files_were_exported_from(name):
+    directory = MODELS[name]
+    digest = hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest()
+    config = capserve.read_config(directory)
+    for artifact in ("model.onnx", "model-explain.onnx"):
+        meta = load_runtime(directory / artifact).metadata
+        assert meta.weights_sha256 == digest, f"{artifact} was exported from other weights than model.safetensors"
+        assert (meta.name, meta.labels, meta.iterations, meta.thresholds) == (
+            config.name, tuple(config.labels), config.iterations, config.thresholds
+        )  # fmt: skip
+        assert (meta.mean, meta.std, meta.image_size) == (tuple(config.mean), tuple(config.std), config.image_size)
+
+
+def scores(name: str, runtime) -> float:
+    meta = runtime.metadata
+    if name == "cifar10":
+        pixels, labels = real_images.cifar10()
+        return float((runtime.predict(normalize_images(pixels, meta)).argmax(1) == labels).mean())
+    pixels, targets = real_images.multimnist()
+    probabilities = 1 / (1 + np.exp(-runtime.predict(normalize_images(pixels, meta))))
+    return real_images.exact_match(probabilities, meta.thresholds, targets)
+
+
+BOUNDS = {"cifar10": real_images.CIFAR10_MIN_TOP1, "multimnist": real_images.MULTIMNIST_MIN_EXACT_MATCH}
+
+
+@pytest.mark.parametrize("artifact", ["torch", "model.onnx"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_shipped_models_score_real_test_images(name, artifact):
+    runtime = load_runtime(MODELS[name] if artifact == "torch" else MODELS[name] / artifact)
+    assert scores(name, runtime) >= BOUNDS[name]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_shipped_explain_graph_agrees_with_the_plain_graph(name):
+    """``/explain`` answers from model-explain.onnx: on real images its logits are the plain graph's."""
+    pixels = (real_images.cifar10() if name == "cifar10" else real_images.multimnist())[0][:32]
+    plain = load_runtime(MODELS[name] / "model.onnx")
+    explain = load_runtime(MODELS[name] / "model-explain.onnx")
+    x = normalize_images(pixels, plain.metadata)
+    explanation = explain.explain(x)
+    np.testing.assert_allclose(explanation.logits, plain.predict(x), atol=1e-4)
+    parse = explanation.part_whole  # (B, C, H, W, I): each grid capsule's routing over the classes sums to 1
+    np.testing.assert_allclose(parse.sum(axis=1), np.ones_like(parse[:, 0]), atol=1e-4)

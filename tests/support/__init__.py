@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (not tests themselves): imported as ``support.<module>``."""

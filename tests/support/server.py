@@ -1,0 +1,144 @@
+"""A real `bentoml serve` of the checkout's service.py for tests: start, wait, stop, upload, expected answers."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import capserve
+from capserve.data.images import preprocess
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+BENTOML = str(Path(sys.executable).with_name("bentoml"))
+
+
+MAX_BYTES = 300_000
+
+
+MAX_PIXELS = 1_000_000
+
+
+MAX_IMAGES = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp: Path, **env: str) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    log = tmp / f"server-{port}.log"
+    environ = {**os.environ, "BENTOML_HOME": str(tmp / "bentoml"), "BENTOML_DO_NOT_TRACK": "True", **env}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [BENTOML, "serve", "service:CapsuleService", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT,
+            env=environ,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop(proc)
+    pytest.fail(f"server not ready after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def export(model: capserve.CapsNet, directory: Path, explain: bool) -> Path:
+    from capserve.export.onnx import export_onnx
+
+    model.save(directory)
+    export_onnx(model, directory / "model.onnx")
+    if explain:
+        export_onnx(model, directory / "model-explain.onnx", explain=True)
+    return directory
+
+
+def encode(pixels: np.ndarray, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def random_png(seed: int, size: tuple[int, int] = (32, 32), mode: str = "RGB") -> bytes:
+    shape = (size[1], size[0], 3) if mode == "RGB" else (size[1], size[0])
+    return encode(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8))
+
+
+def eager_logits(model: capserve.CapsNet, data: bytes) -> np.ndarray:
+    x = preprocess(data, model.config)
+    with torch.inference_mode():
+        return model(torch.from_numpy(x)).numpy()[0]
+
+
+def softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def upload(data: bytes, field: str = "image", content_type: str = "image/png") -> dict:
+    return {"files": {field: ("upload.png", data, content_type)}}
+
+
+def error_of(response: httpx.Response) -> str:
+    """The message of an error response, which must be exactly one JSON object {"error": "..."}."""
+    assert response.headers["content-type"] == "application/json", response.headers
+    body = response.json()
+    assert isinstance(body, dict) and list(body) == ["error"] and isinstance(body["error"], str), body
+    assert body["error"].strip(), body
+    return body["error"]
+
+
+# ------------------------------------------------------------------------------------------ start-up
+
+
+def failed_start(tmp: Path, **env: str) -> str:
+    """Start a server that cannot load its model: it must stop by itself with exit status 3 (not 0, which
+    supervisors and orchestrators read as success; not respawning its worker forever)."""
+    proc, _, log = start_server(tmp, **{"CAPSERVE_MULTILABEL_MODEL": "none", **env})
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        pytest.fail(f"the server kept running with a broken model:\n{log.read_text()[-2000:]}")
+    text = log.read_text()
+    assert proc.returncode == 3, f"exit status {proc.returncode}:\n{text[-2000:]}"
+    assert "capserve cannot start" in text
+    return text

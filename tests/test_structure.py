@@ -1,0 +1,107 @@
+"""The shape of the package: no import circle anywhere (imports inside functions included), one table of backbones,
+and every module importable on its own."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import capserve
+from capserve.model.backbones import BACKBONES
+
+PACKAGE = Path(capserve.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(name: str, path: Path) -> set[str]:
+    """The capserve modules ``name`` imports, at any depth of its code: ``from capserve.a import b`` is an edge to
+    the module ``capserve.a.b`` when there is one, else to ``capserve.a`` (whose ``__init__`` then runs)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return {m for m in found if m in MODULES and m != name}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_circle():
+    graph = {name: imported_modules(name, path) for name, path in MODULES.items()}
+    assert find_cycle(graph) is None, " → ".join(find_cycle(graph) or [])
+
+
+def test_the_cycle_finder_finds_a_circle_through_a_function_level_import(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("import capserve.configs\n")
+    b.write_text("def f():\n    from capserve.model import factory\n")
+    graph = {"capserve.configs": {"capserve.model.factory"}, "capserve.model.factory": {"capserve.configs"}}
+    assert find_cycle(graph) == ["capserve.configs", "capserve.model.factory", "capserve.configs"]
+    assert "capserve.model.factory" in imported_modules("x.b", b)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_module_imports_first_in_a_fresh_interpreter(name):
+    """A circle hides until a module is the first one imported: import each one first, alone."""
+    if name.startswith("capserve.export.tensorrt") or name == "capserve.serving.service":
+        pytest.importorskip("onnx")
+    result = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_one_backbone_table_names_every_configs_backbone():
+    used = {capserve.get_config(name).backbone for name in capserve.list_models()}
+    assert used <= set(BACKBONES), used - set(BACKBONES)
+    with pytest.raises(ValueError, match="resnet"):  # the error lists the valid ones
+        capserve.create_model("cifar10-resnet", backbone="vgg")
+
+
+def test_one_copy_of_each_shared_helper():
+    """softmax/sigmoid, sha256 and image suffixes each live in one module (their callers import them)."""
+    sources = {name: path.read_text() for name, path in MODULES.items()}
+    helpers = [("def softmax(", "capserve.runtime.outputs"), ("def sigmoid(", "capserve.runtime.outputs"),
+               ("def file_sha256(", "capserve.hashing"), ("IMAGE_SUFFIXES =", "capserve.data.images")]  # fmt: skip
+    for definition, home in helpers:
+        homes = [name for name, text in sources.items() if definition in text]
+        assert homes == [home], (definition, homes)
+    assert importlib.import_module("capserve.errors").UsageError is importlib.import_module("capserve.cli").UsageError

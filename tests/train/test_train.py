@@ -1,0 +1,213 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support.data import cfg, write_easy_cifar10, write_mnist
+from support.models import tiny_overrides
+
+import capserve
+import capserve.data
+import capserve.train.cli
+from capserve import evaluate as ev
+from capserve.cli import main
+from capserve.data.preprocess import normalize
+from capserve.train.config import TrainConfig, lr_factor
+from capserve.train.loop import improves, train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cifar(tmp_path_factory) -> Path:
+    return write_easy_cifar10(tmp_path_factory.mktemp("cifar"))
+
+
+@pytest.fixture(scope="module")
+def mnist(tmp_path_factory) -> Path:
+    return write_mnist(tmp_path_factory.mktemp("mnist"), n_train=120, n_test=40)
+
+
+def test_schedules():
+    assert lr_factor("step", 0.0, 149, 350) == 1 and lr_factor("step", 0.5, 150, 350) == pytest.approx(0.1)
+    assert lr_factor("step", 0.9, 250, 350) == pytest.approx(0.01)
+    assert lr_factor("cosine", 0, 0, 1) == 1 and lr_factor("cosine", 1, 0, 1) == pytest.approx(0)
+    assert lr_factor("onecycle", 0, 0, 1) == pytest.approx(1 / 25) and lr_factor("onecycle", 0.15, 0, 1) == 1
+    assert lr_factor("onecycle", 1.0, 0, 1) == pytest.approx(0)
+
+
+def test_training_reduces_loss_and_writes_outputs(cifar, tmp_path):
+    out = tmp_path / "run"
+    summary = train(cfg("cifar10-simple", cifar, out, epochs=6, batch_size=8, lr=0.1, schedule="cosine", amp="bf16",
+                        channels_last=True, grad_clip=5.0))  # fmt: skip
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and rows[-1]["train_loss"] < 0.7 * rows[0]["train_loss"]
+    assert {"val_acc", "val_loss", "lr", "images_per_s"} <= set(rows[0])
+    model = capserve.load(out / "best")  # best/ is a plain model folder
+    # the summary's figures are best/'s: its validation accuracy is the best epoch's, its test accuracy is best/
+    # scored once on the test split (recomputed here from the weights), and it learned the colour-coded classes
+    assert summary["best_val_acc"] == max(row["val_acc"] for row in rows)
+    assert rows[summary["best_epoch"] - 1]["val_acc"] == summary["best_val_acc"]
+    test = capserve.data.load_test("cifar10", cifar)
+    with torch.no_grad():
+        predicted = model(normalize(test.images, model.config.mean, model.config.std)).argmax(1)
+    assert summary["test_acc"] == pytest.approx((predicted == test.targets).float().mean().item(), abs=1e-6)
+    assert summary["test_acc"] >= 0.5  # 10 classes (chance 0.1) that differ by colour; measured 0.80 (16/20)
+    assert model.config.extra["data"] == {"dataset": "cifar10", "val_size": 12}
+    assert (out / "curves.png").stat().st_size > 0
+    assert set(os.listdir(out / "last")) == {"model.safetensors", "config.json", "optimizer.safetensors",
+                                             "trainer.json"}  # fmt: skip
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_resume_continues_exactly(cifar, tmp_path, optimizer):
+    whole = tmp_path / "whole"
+    lr = 0.05 if optimizer == "sgd" else 1e-3
+    train(cfg("cifar10-simple", cifar, whole, test=False, optimizer=optimizer, lr=lr))  # 2 epochs × 3 steps
+    part = tmp_path / "part"
+    train(cfg("cifar10-simple", cifar, part, test=False, max_steps=4, optimizer=optimizer, lr=lr))  # inside epoch 2
+    state = json.loads((part / "last" / "trainer.json").read_text())["state"]
+    assert (state["epoch"], state["batch"], state["step"]) == (1, 1, 4)
+    assert main(["train", "--resume", str(part)]) == 0
+    a, b = load_file(str(whole / "last" / "model.safetensors")), load_file(str(part / "last" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    oa = load_file(str(whole / "last" / "optimizer.safetensors"))
+    ob = load_file(str(part / "last" / "optimizer.safetensors"))
+    assert all(torch.equal(oa[k], ob[k]) for k in oa if k.startswith("state."))
+    moments = {"momentum_buffer"} if optimizer == "sgd" else {"exp_avg", "exp_avg_sq", "step"}
+    assert {k.split(".", 2)[2] for k in oa if k.startswith("state.")} == moments  # the optimizer asked for
+
+
+def test_best_epoch_breaks_accuracy_ties_by_validation_loss():
+    assert improves(0.0, 13.5, None, None)  # the first epoch
+    assert improves(0.1, 20.0, 0.0, 13.5)  # accuracy decides first
+    assert not improves(0.0, 14.0, 0.1, 13.5)
+    assert improves(0.0, 11.4, 0.0, 13.5) and not improves(0.0, 13.6, 0.0, 13.5)  # a tie: the lower loss
+    assert not improves(0.5, None, 0.5, None)  # no validation split: the first of equal training accuracies
+
+
+def test_ddp_two_cpu_processes_match_one(mnist, tmp_path):
+    # multimnist models have no BatchNorm: 2 ranks × 8 images must equal 1 process × 16 images
+    overrides = json.dumps(tiny_overrides("multimnist-matrix-small")["capsules"][0].__dict__)
+    args = ["train", "--model", "multimnist-matrix-small", "--data", str(mnist), "--epochs", "1", "--epoch-size",
+            "48", "--batch-size", "16", "--val-size", "20", "--eval-batch-size", "10", "--no-test", "--device", "cpu",
+            "--set", "backbone_channels=8", "--set", "primary_types=4", "--set",
+            f"capsules=[{overrides}, {{\"kind\": \"fc\", \"types\": 5}}]"]  # fmt: skip
+    single = tmp_path / "single"
+    assert main([*args, "--out", str(single)]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "capserve.cli", *args, "--out", str(tmp_path / "ddp")]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["steps"] == 3
+    a = load_file(str(single / "last" / "model.safetensors"))
+    b = load_file(str(tmp_path / "ddp" / "last" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    va = [json.loads(line)["val_acc"] for line in (single / "metrics.jsonl").read_text().splitlines()]
+    vb = [json.loads(line)["val_acc"] for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    assert va == vb  # validation sharded over 2 ranks and all-reduced
+
+
+def test_evaluate_and_calibrate(mnist, cifar, tmp_path, capsys):
+    train(cfg("multimnist-matrix-small", mnist, tmp_path / "mm", epochs=1, epoch_size=32, val_size=40, test=False))
+    best = tmp_path / "mm" / "best"
+    assert main(["evaluate", str(best), "--data", str(mnist), "--iterations", "1,2,3", "--calibrate", "--limit", "300",
+                 "--out", str(tmp_path / "ev")]) == 0  # fmt: skip
+    thresholds = capserve.read_config(best).thresholds
+    assert thresholds is not None and len(thresholds) == 10
+    model = capserve.load(best)
+    c = model.config
+
+    def logits(split, T=None):
+        with torch.no_grad():
+            return model(normalize(split.images, c.mean, c.std), iterations=T)
+
+    def f1(decided, truth):  # per class, written out here
+        tp, fp, fn = (decided & truth).sum(0), (decided & ~truth).sum(0), (~decided & truth).sum(0)
+        return 2 * tp / (2 * tp + fp + fn).clamp_min(1)
+
+    # each stored threshold is a grid value (0.05 … 0.95) with the best validation F1 of its class
+    val = capserve.data.load_validation("multimnist", mnist, 40)
+    probabilities, truth = torch.sigmoid(logits(val)), val.targets > 0.5
+    grid = [round(0.05 * i, 2) for i in range(1, 20)]
+    assert all(t in grid for t in thresholds)
+    best_f1 = torch.stack([f1(probabilities > t, truth) for t in grid]).max(0).values
+    torch.testing.assert_close(f1(probabilities > torch.tensor(thresholds), truth), best_f1)
+    # the report's figures are the model's on the first 300 test images with those thresholds, per T
+    report = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
+    assert report["images"] == 300 and set(report["results"]) == {"1", "2", "3"}
+    test = capserve.data.load_test("multimnist", mnist).subset(torch.arange(300))
+    for T in (1, 2, 3):
+        decided, truth = torch.sigmoid(logits(test, T)) > torch.tensor(thresholds), test.targets > 0.5
+        result = report["results"][str(T)]
+        assert result["exact_match"] == pytest.approx((decided == truth).all(1).float().mean().item(), abs=1e-6)
+        assert result["f1"] == pytest.approx(f1(decided, truth).tolist(), abs=1e-6)
+    assert "per-class F1" in capsys.readouterr().out
+    train(cfg("cifar10-simple", cifar, tmp_path / "c", epochs=1, test=False))
+    assert main(["evaluate", str(tmp_path / "c" / "best"), "--data", str(cifar), "--iterations", "1,2"]) == 0
+    out = capsys.readouterr().out
+    model, test = capserve.load(tmp_path / "c" / "best"), capserve.data.load_test("cifar10", cifar)
+    c = model.config
+    for T in (1, 2):  # the printed top-1 per T is the model's on the test split
+        top1 = (logits(test, T).argmax(1) == test.targets).float().mean().item()
+        assert f"{T:>3} {100 * top1:11.2f}%" in out
+    confusion = [[int(v) for v in line.split()[1:]] for line in out.split("columns predicted):\n")[1].splitlines()]
+    assert sum(map(sum, confusion)) == len(test) and len(confusion) == 10  # every test image counted once
+
+
+def test_metrics():
+    logits = torch.tensor([[3.0, 1, 0], [0, 2, 1], [0, 1, 2], [2, 0, 1]])
+    m = ev.single_label_metrics(logits, torch.tensor([0, 1, 1, 2]))
+    assert m["top1"] == 0.5 and m["top3"] == 1.0 and m["confusion"] == [[1, 0, 0], [0, 1, 1], [1, 0, 0]]
+    targets = torch.tensor([[1.0, 0], [1, 1], [0, 1]])
+    mm = ev.multi_label_metrics(torch.tensor([[2.0, -1], [1, -0.5], [-1, 1]]), targets, None)
+    assert mm["exact_match"] == pytest.approx(2 / 3) and mm["f1"] == [1.0, pytest.approx(2 / 3)]
+    # ranked recall ignores thresholds: images 0 and 2 rank their one label first, image 1 has both of its two
+    assert mm["ranked_recall"] == 1.0
+    scores = torch.tensor([[0.0, 1, 2], [3, 2, 1], [1, 2, 3]])  # labels: {0}, {0, 2}, {1, 2}
+    ranked = ev.ranked_recall(scores, torch.tensor([[True, False, False], [True, False, True], [False, True, True]]))
+    assert ranked == pytest.approx(3 / 5)  # image 0: 0 of 1; image 1: 1 of 2 (class 0); image 2: 2 of 2
+    # class 1's positives score sigmoid(-0.5) and sigmoid(1): a threshold below 0.38 gets them both
+    assert ev.fit_thresholds(torch.tensor([[2.0, -1.5], [1, -0.5], [-1, 1]]), targets)[1] < 0.38
+
+
+def test_optimizer_flags(cifar, tmp_path, capsys, monkeypatch):
+    runs: list[TrainConfig] = []
+    monkeypatch.setattr(capserve.train.cli, "train", lambda c, resume=None: runs.append(c) or {})
+    base = ["train", "--model", "cifar10-simple", "--data", str(cifar), "--out", str(tmp_path)]
+    assert main([*base, "--optimizer", "adam"]) == 0 and main(base) == 0
+    # each optimizer's own default lr; Adam records no momentum (it has none)
+    assert [(c.optimizer, c.lr, c.momentum) for c in runs] == [("adam", 1e-3, None), ("sgd", 0.1, 0.9)]
+    assert TrainConfig(model="cifar10-simple", data="d", out="o", optimizer="adam").lr == 1e-3  # the API's too
+    assert main([*base, "--optimizer", "adam", "--momentum", "0.5"]) == 2
+    assert "--momentum is SGD's" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # argparse's own usage error
+        main([*base, "--optimizer", "lion"])
+    assert exit_.value.code == 2 and "invalid choice: 'lion'" in capsys.readouterr().err
+
+
+def test_cli_errors(cifar, tmp_path, capsys):
+    assert main(["train", "--model", "nope", "--data", str(cifar), "--out", str(tmp_path)]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+    assert main(["train", "--model", "cifar10-simple", "--data", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", "--model", "cifar10-simple", "--data", str(cifar), "--out", str(tmp_path), "--set",
+                 "pose_dim"]) == 2  # fmt: skip
+    assert "key=value" in capsys.readouterr().err
+    assert main(["train", "--model", "cifar10-simple"]) == 2
+    assert "missing --data, --out" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "no checkpoint to resume" in capsys.readouterr().err
+    assert main(["evaluate", str(tmp_path), "--data", str(cifar)]) == 2
+    assert "not a model folder" in capsys.readouterr().err
