@@ -18,7 +18,10 @@ from capserve.routing.attention import (  # noqa: F401
     uniform_step,
 )
 from capserve.routing.blocks import VOTE_BLOCK_BYTES, block_rows, vote_blocks  # noqa: F401
-from capserve.routing.dynamic import (  # noqa: F401
+from capserve.routing.dynamic import (  # noqa: F401  # noqa: F401
+    ABSENT_WEIGHT,
+    MARGIN_ABSENT,
+    MARGIN_PRESENT,
     DynamicCapsuleLayer,
     Squash,
     SquashedPrimaryCapsules,

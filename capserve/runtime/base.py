@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from capserve.errors import InputError
+from capserve.errors import InputError, RuntimeLoadError  # noqa: F401  (RuntimeLoadError: re-exported)
 from capserve.runtime.metadata import ModelMetadata
 
 

@@ -5,6 +5,8 @@ route tables and the server process's start-up rules. BentoML is imported only i
 
 from __future__ import annotations
 
+from capserve.errors import ConfigurationError  # noqa: F401
+from capserve.runtime.outputs import sigmoid, softmax  # noqa: F401  (were capserve.serving's)
 from capserve.serving.app import (  # noqa: F401
     IMAGE_ERRORS,
     Capsules,
@@ -53,4 +55,12 @@ from capserve.serving.routes import (  # noqa: F401
 )
 from capserve.serving.schemas import Capsule, Classification, Explained, Iterations, Label, MultiLabel  # noqa: F401
 from capserve.serving.settings import BACKENDS, Settings  # noqa: F401
-from capserve.serving.sources import ARTIFACTS, EXPLAIN_ARTIFACT, STORE_TAG, ModelSource, open_model, resolve_model  # noqa: F401
+from capserve.serving.sources import (  # noqa: F401
+    ARTIFACTS,
+    EXPLAIN_ARTIFACT,
+    STORE_TAG,
+    ModelSource,
+    has_routing,
+    open_model,
+    resolve_model,
+)

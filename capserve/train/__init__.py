@@ -3,6 +3,8 @@ DDP (``distributed``) and the command line (``cli``)."""
 
 from __future__ import annotations
 
+from capserve.plots import plot_curves  # noqa: F401
+from capserve.train.cli import add_arguments, run  # noqa: F401  (the `capserve train` command)
 from capserve.train.config import (  # noqa: F401
     AMP,
     DEFAULT_LR,
