@@ -744,7 +744,7 @@ def test_bentoml_build(store, bentofile, name, device):
         assert "onnxruntime-gpu>=1.21,<1.27" in requirements and "nvidia/cuda:12.8" in dockerfile
     else:
         assert "onnxruntime-gpu" not in requirements and "onnxruntime" in requirements and "nvidia" not in dockerfile
-    assert (bento.parent / "src" / "service.py").is_file() and (
-        bento.parent / "src" / "capserve" / "serving.py"
-    ).is_file()
+    src = bento.parent / "src"
+    assert (src / "service.py").is_file() and (src / "capserve" / "serving" / "app.py").is_file()
+    assert (src / "capserve" / "export" / "onnx.py").is_file()  # the exporter ships inside the package
     assert not (bento.parent / "src" / "models").exists()  # models come from the store, not the source tree
