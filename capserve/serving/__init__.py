@@ -21,6 +21,7 @@ from capserve.serving.batching import (  # noqa: F401
     INLINE_DECODE_PIXELS,
     batch_runtime,
     batch_size_histogram,
+    batches_for,
     lone_request_options,
 )
 from capserve.serving.explain import HEATMAP_OCTAVES, RAMP, heatmap_png, selectivity, vs_uniform  # noqa: F401
@@ -42,6 +43,7 @@ from capserve.serving.process import (  # noqa: F401
     report_failed_start,
     settings_or_exit,
     untraced_without_exporter,
+    workers_or_exit,
 )
 from capserve.serving.routes import (  # noqa: F401
     FILE_FIELDS,
@@ -54,3 +56,4 @@ from capserve.serving.routes import (  # noqa: F401
 from capserve.serving.schemas import Capsule, Classification, Explained, Iterations, Label, MultiLabel  # noqa: F401
 from capserve.serving.settings import BACKENDS, Settings  # noqa: F401
 from capserve.serving.sources import ARTIFACTS, EXPLAIN_ARTIFACT, STORE_TAG, ModelSource, open_model, resolve_model  # noqa: F401
+from capserve.serving.workers import Worker, assign, available_cores, current_index, visible_gpus, worker_count  # noqa: F401
