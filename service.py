@@ -19,14 +19,16 @@ from capserve.serving import Classification, Explained, MultiLabel
 ImageFile = Annotated[Path, ContentType("image/*"), serving.GUARDED_UPLOAD]
 serving.prepare_server_process()  # exit status 3 when the model cannot load, own /metrics folder, quiet 4xx logs
 SETTINGS = serving.settings_or_exit()  # read at import: the batching limits go into the API decorators
+WORKERS = serving.workers_or_exit(SETTINGS)  # CAPSERVE_WORKERS: server processes, each with its share (serving.workers)
 BATCH = dict(batchable=True, max_batch_size=max(SETTINGS.max_batch_size, 2), max_latency_ms=SETTINGS.max_latency_ms)
 
 
-@bentoml.service(name="capserve", traffic={"timeout": 60}, workers=1, metrics={"enabled": True},
+@bentoml.service(name="capserve", traffic={"timeout": 60}, workers=WORKERS, metrics={"enabled": True},
                  logging={"access": {"enabled": SETTINGS.access_log}})  # fmt: skip
 class CapsuleService:
     def __init__(self) -> None:
-        self.capsules = serving.Capsules(SETTINGS)  # loads and warms up; a failure stops the server (status 3)
+        worker = serving.assign(SETTINGS, serving.current_index(), WORKERS)  # this process's GPU or cores
+        self.capsules = serving.Capsules(SETTINGS, worker=worker)  # loads, warms up; a failure: exit status 3
         serving.freeze_startup_heap()  # the garbage collector then skips what start-up left (libraries, models)
 
     def __is_ready__(self) -> bool:

@@ -11,19 +11,21 @@ machine's cores with the server: on a small machine its own CPU time is part of 
     python benchmarks/bench_http.py --model models/cifar10 --requests 500 --rss-requests 10000
     python benchmarks/bench_http.py --configs onnxruntime:fp32 torch:bf16 torch:fp32 --batching on --rss-requests 0
 
-First, the comparison with the alternatives a user could write (issue #11), with ``wrk`` as the load generator (C,
-one thread: it takes little of the server's CPU) POSTing one 32×32 PNG as multipart (``benchmarks/multipart.lua``)
-to one server at a time (the others paused with SIGSTOP), servers interleaved over ``--table-rounds`` rounds,
-medians printed: raw ONNX Runtime at batch 32 in-process, then requests/s at concurrency 32 (÷ raw), p50 at
-concurrency 1 and the server's CPU time per request, for a plain FastAPI + ONNX Runtime server (one image per run,
-``benchmarks/peers/fastapi_server.py``: ``/classify``, and ``/multilabel`` on the multi-label model), LitServe with
-dynamic batching (max 32, 5 ms, ``benchmarks/peers/litserve_server.py``), and capserve's ``/classify`` and
-``/multilabel`` (each ``/multilabel`` against the multi-label model's raw figure). The peers are benchmark tools,
-not capserve dependencies. Set-up, once::
+First, the comparison with the alternatives a user could write, with ``wrk`` as the load generator (C, one thread:
+it takes little of the server's CPU) POSTing one 32×32 PNG as multipart (``benchmarks/multipart.lua``) to one server
+at a time (the others paused with SIGSTOP), servers interleaved over ``--table-rounds`` rounds, medians printed: raw
+ONNX Runtime at batch 32 in-process, then requests/s and p50 at each ``--table-concurrency`` (1, 32, 128; req/s at
+32 also ÷ raw) and the server's CPU time per request at the largest, for plain FastAPI + ONNX Runtime servers (one
+image per run, ``benchmarks/peers/fastapi_server.py``: ``/classify``, and ``/multilabel`` on the multi-label model;
+once with ONNX Runtime's default session options, once with those a careful user sets, ``intra_op_num_threads`` =
+the cores and ``inter_op_num_threads`` = 1), LitServe with dynamic batching (max 32, 5 ms,
+``benchmarks/peers/litserve_server.py``), and capserve's ``/classify`` and ``/multilabel`` with each
+``--table-workers`` count (CAPSERVE_WORKERS; 1 and 2) (each ``/multilabel`` against the multi-label model's raw
+figure). The peers are benchmark tools, not capserve dependencies. Set-up, once::
 
     apt-get install -y wrk                                  # or build it from https://github.com/wg/wrk
     .venv/bin/pip install fastapi uvicorn litserve           # the peers (a missing one is skipped with a note)
-    python benchmarks/bench_http.py --table-only             # the table alone (about 3 minutes)
+    python benchmarks/bench_http.py --table-only             # the table alone (about 10 minutes with 3 rounds)
 """
 
 from __future__ import annotations
@@ -350,10 +352,11 @@ class RawMeter:
         return len(x) / float(np.median(times))
 
 
-def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, seconds: int) -> None:
-    """Issue #11's table: raw batch-32 throughput, then each server's req/s at concurrency 32 (÷ the raw figure
-    measured just before), p50 at concurrency 1, errors and server CPU ms per request (medians over interleaved
-    rounds)."""
+def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, seconds: int,
+               concurrency: list[int], workers: list[int]) -> None:  # fmt: skip
+    """Issue #11's table, with capserve at each of ``workers`` (CAPSERVE_WORKERS): raw batch-32 throughput, then each
+    server's req/s and p50 at each of ``concurrency`` (req/s at 32 also ÷ the raw figure measured just before), errors
+    and server CPU ms per request at the largest concurrency (medians over interleaved rounds)."""
     if shutil.which("wrk") is None:
         raise SystemExit("wrk not found: `apt-get install -y wrk` (see this script's docstring), or --no-table")
     meta = load_runtime(model / "model.onnx").metadata
@@ -366,15 +369,18 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
 
     onnx = str(model / "model.onnx")
     python, uvicorn = sys.executable, str(Path(sys.executable).with_name("uvicorn"))
+    fastapi = [uvicorn, "benchmarks.peers.fastapi_server:app", "--log-level", "warning", "--port"]
+    fastapi_env = {"PEER_MODEL": onnx, **({"PEER_MULTILABEL_MODEL": str(multilabel / "model.onnx")} if multilabel
+                                          else {})}  # fmt: skip
     servers: dict[str, tuple[Any, str, Path, str]] = {}  # row → (server, url path, upload, raw model key)
     started: list[Any] = []
     figures: dict[str, dict[str, list[float]]] = {}
+    busiest = max(concurrency)
     try:
         for name, module, command, env in [
-            ("FastAPI + ONNX Runtime, one image per run", "fastapi",
-             [uvicorn, "benchmarks.peers.fastapi_server:app", "--log-level", "warning", "--port"],
-             {"PEER_MODEL": onnx, **({"PEER_MULTILABEL_MODEL": str(multilabel / "model.onnx")} if multilabel else {})}),
-            ("LitServe, batching max 32 / 5 ms", "litserve", [python, str(PEERS / "litserve_server.py"), onnx], {}),
+            ("FastAPI + ORT defaults", "fastapi", fastapi, fastapi_env),
+            ("FastAPI + ORT intra=cores inter=1", "fastapi", fastapi, {**fastapi_env, "PEER_CAREFUL": "1"}),
+            ("LitServe, batching 32 / 5 ms", "litserve", [python, str(PEERS / "litserve_server.py"), onnx], {}),
         ]:  # fmt: skip
             try:
                 __import__(module)
@@ -384,18 +390,20 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
                       "litserve` into this venv", flush=True)  # fmt: skip
                 continue
             started.append(peer)
-            servers[name] = (peer, "/classify", png, "single")
+            servers[f"{name} /classify"] = (peer, "/classify", png, "single")
             if module == "fastapi" and multilabel:
-                servers["FastAPI /multilabel"] = (peer, "/multilabel", ml_png, "multi")
-        capserve = Server(model, multilabel, tmp, CAPSERVE_MAX_BATCH_SIZE="32")
-        started.append(capserve)
-        servers["capserve /classify (BentoML)"] = (capserve, "/classify", png, "single")
-        if multilabel:
-            servers["capserve /multilabel (BentoML)"] = (capserve, "/multilabel", ml_png, "multi")
+                servers[f"{name} /multilabel"] = (peer, "/multilabel", ml_png, "multi")
+        for n in workers:
+            capserve = Server(model, multilabel, tmp, CAPSERVE_MAX_BATCH_SIZE="32", CAPSERVE_WORKERS=str(n))
+            started.append(capserve)
+            servers[f"capserve {n} worker{'s' * (n > 1)} /classify"] = (capserve, "/classify", png, "single")
+            if multilabel:
+                servers[f"capserve {n} worker{'s' * (n > 1)} /multilabel"] = (capserve, "/multilabel", ml_png, "multi")
         for server in started:
             pause(server.proc.pid, True)
 
-        figures = {name: {"raw": [], "rps": [], "p50": [], "cpu": [], "errors": []} for name in servers}
+        keys = ["raw", "cpu", "errors"] + [f"{what}@{c}" for c in concurrency for what in ("rps", "p50")]
+        figures = {name: {key: [] for key in keys} for name in servers}
         for _ in range(rounds):
             for name, (server, path, upload, key) in servers.items():
                 f = figures[name]
@@ -403,38 +411,40 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
                 pause(server.proc.pid, False)
                 try:
                     run_wrk(server.url + path, upload, 8, 1)  # warm-up
-                    cpu = cpu_seconds(server.proc.pid)
-                    busy = run_wrk(server.url + path, upload, 32, seconds)
-                    cpu = cpu_seconds(server.proc.pid) - cpu
-                    single = run_wrk(server.url + path, upload, 1, seconds)
+                    errors = 0
+                    for c in concurrency:
+                        cpu = cpu_seconds(server.proc.pid)
+                        result = run_wrk(server.url + path, upload, c, seconds)
+                        cpu = cpu_seconds(server.proc.pid) - cpu
+                        f[f"rps@{c}"].append(result["requests"] / result["seconds"])
+                        f[f"p50@{c}"].append(result["p50_ms"])
+                        errors += sum(result[k] for k in ("connect", "read", "write", "status", "timeout"))
+                        if c == busiest:
+                            f["cpu"].append(1000 * cpu / max(result["requests"], 1))
                 finally:
                     pause(server.proc.pid, True)
-                f["rps"].append(busy["requests"] / busy["seconds"])
-                f["p50"].append(single["p50_ms"])
-                f["cpu"].append(1000 * cpu / max(busy["requests"], 1))
-                f["errors"].append(sum(busy[k] + single[k] for k in ("connect", "read", "write", "status", "timeout")))
+                f["errors"].append(errors)
     finally:
         for server in started:
             pause(server.proc.pid, False)
             server.stop()
 
     print(
-        f"\nissue #11 table: wrk, one 32×32 PNG as multipart, one server at a time, medians of {rounds} interleaved "
-        f"rounds of {seconds:g} s ({os.cpu_count()} CPUs); ÷ raw: each turn against raw batch 32 measured just "
-        "before it; CPU: the server's CPU ms per request at concurrency 32"
+        f"\nissue #11/#26 table: wrk, one 32×32 PNG as multipart, one server at a time, medians of {rounds} "
+        f"interleaved rounds of {seconds:g} s per concurrency ({os.cpu_count()} CPUs); ÷ raw: req/s at c=32 against "
+        f"raw batch 32 measured just before each turn; CPU: the server's CPU ms per request at c={busiest}"
     )
-    print(f"  {'server':44s} {'c=32 req/s':>10s} {'÷ raw':>6s} {'c=1 p50 ms':>10s} {'errors':>6s} {'CPU ms/req':>10s}")
+    heads = "".join(f"{f'c={c} req/s':>12s}{'p50 ms':>8s}" for c in concurrency)
+    print(f"  {'server':46s}{heads}{'÷ raw':>7s}{'errors':>7s}{'CPU ms':>7s}")
     for key, label in (("single", "raw ONNX Runtime, batch 32, in-process"),
                        ("multi", "raw ONNX Runtime, multi-label model, batch 32")):  # fmt: skip
         measured = [r for name, f in figures.items() if servers[name][3] == key for r in f["raw"]]
         if measured:
-            print(f"  {label:44s} {np.median(measured):10.1f} {1:6.2f} {'—':>10s}  (img/s)")
+            print(f"  {label:46s}{np.median(measured):12.1f}  (img/s)")
     for name, f in figures.items():
-        ratios = np.array(f["rps"]) / np.array(f["raw"])
-        print(f"  {name:44s} {np.median(f['rps']):10.1f} {np.median(ratios):6.2f} {np.median(f['p50']):10.1f} "
-              f"{int(sum(f['errors'])):6d} {np.median(f['cpu']):10.2f}  (rounds: "
-              f"{', '.join(f'{r:.0f}/{w:.0f}' for r, w in zip(f['rps'], f['raw'], strict=True))} req/s / raw)",
-              flush=True)  # fmt: skip
+        cells = "".join(f"{np.median(f[f'rps@{c}']):12.1f}{np.median(f[f'p50@{c}']):8.1f}" for c in concurrency)
+        ratio = np.median(np.array(f["rps@32"]) / np.array(f["raw"])) if "rps@32" in f else float("nan")
+        print(f"  {name:46s}{cells}{ratio:7.2f}{int(sum(f['errors'])):7d}{np.median(f['cpu']):7.2f}", flush=True)
 
 
 def main() -> None:
@@ -456,6 +466,15 @@ def main() -> None:
     table.add_argument("--no-table", action="store_true", help="skip issue #11's table (no wrk needed)")
     p.add_argument("--table-rounds", type=int, default=3, help="interleaved rounds of the table (medians)")
     p.add_argument("--table-seconds", type=int, default=5, help="seconds of each wrk run in the table")
+    p.add_argument("--table-concurrency", type=int, nargs="+", default=[1, 32, 128],
+                   help="wrk connections of the table's runs (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--table-workers",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="capserve servers in the table, one per CAPSERVE_WORKERS value (default %(default)s)",
+    )
     args = p.parse_args()
     for config in args.configs:
         backend, _, precision = config.partition(":")
@@ -471,7 +490,8 @@ def main() -> None:
             model = random_model(tmp / "cifar10")
         multilabel = args.multilabel_model if (args.multilabel_model / "model.onnx").is_file() else None
         if not args.no_table:
-            peer_table(model, multilabel, tmp, args.table_rounds, args.table_seconds)
+            peer_table(model, multilabel, tmp, args.table_rounds, args.table_seconds, args.table_concurrency,
+                       args.table_workers)  # fmt: skip
             if args.table_only:
                 return
         meta = load_runtime(model / "model.onnx").metadata

@@ -1,8 +1,10 @@
 """Benchmark peer, not part of capserve: the plain FastAPI + ONNX Runtime server a user could write in twenty lines.
 
-One image per ONNX Runtime run (no batching), the sessions with ONNX Runtime's default options, the same graphs,
-capserve's preprocessing and the same response JSON as capserve's ``/classify`` and ``/multilabel``. Started by
-``benchmarks/bench_http.py`` (``PEER_MODEL``, ``PEER_MULTILABEL_MODEL`` = the .onnx files; the second optional)::
+One image per ONNX Runtime run (no batching), the same graphs, capserve's preprocessing and the same response JSON
+as capserve's ``/classify`` and ``/multilabel``. The sessions take ONNX Runtime's default options, or with
+``PEER_CAREFUL=1`` those a careful user sets: ``intra_op_num_threads`` = the cores, ``inter_op_num_threads`` = 1.
+Started by ``benchmarks/bench_http.py`` (``PEER_MODEL``, ``PEER_MULTILABEL_MODEL`` = the .onnx files; the second
+optional)::
 
     PEER_MODEL=models/cifar10/model.onnx PEER_MULTILABEL_MODEL=models/multimnist/model.onnx \
         uvicorn benchmarks.peers.fastapi_server:app --port 8001
@@ -20,13 +22,17 @@ from fastapi import FastAPI, File, UploadFile
 from capserve import images
 from capserve.runtime import load_runtime
 
+OPTIONS = ort.SessionOptions()
+if os.environ.get("PEER_CAREFUL") == "1":
+    OPTIONS.intra_op_num_threads = len(os.sched_getaffinity(0))
+    OPTIONS.inter_op_num_threads = 1
 MODEL = os.environ["PEER_MODEL"]
 META = load_runtime(MODEL).metadata  # labels, input size, mean/std from the graph's own metadata
-SESSION = ort.InferenceSession(MODEL, providers=["CPUExecutionProvider"])
+SESSION = ort.InferenceSession(MODEL, OPTIONS, providers=["CPUExecutionProvider"])
 INPUT = SESSION.get_inputs()[0].name
 ML_MODEL = os.environ.get("PEER_MULTILABEL_MODEL")
 ML_META = load_runtime(ML_MODEL).metadata if ML_MODEL else None
-ML_SESSION = ort.InferenceSession(ML_MODEL, providers=["CPUExecutionProvider"]) if ML_MODEL else None
+ML_SESSION = ort.InferenceSession(ML_MODEL, OPTIONS, providers=["CPUExecutionProvider"]) if ML_MODEL else None
 app = FastAPI()
 
 

@@ -23,6 +23,7 @@ from capserve.serving.batching import (  # noqa: F401
     INLINE_DECODE_PIXELS,
     batch_runtime,
     batch_size_histogram,
+    batches_for,
     lone_request_options,
 )
 from capserve.serving.explain import HEATMAP_OCTAVES, RAMP, heatmap_png, selectivity, vs_uniform  # noqa: F401
@@ -44,6 +45,7 @@ from capserve.serving.process import (  # noqa: F401
     report_failed_start,
     settings_or_exit,
     untraced_without_exporter,
+    workers_or_exit,
 )
 from capserve.serving.routes import (  # noqa: F401
     FILE_FIELDS,
@@ -64,3 +66,4 @@ from capserve.serving.sources import (  # noqa: F401
     open_model,
     resolve_model,
 )
+from capserve.serving.workers import Worker, assign, available_cores, current_index, visible_gpus, worker_count  # noqa: F401

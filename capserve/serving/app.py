@@ -23,12 +23,12 @@ from capserve.errors import ConfigurationError, InputError
 from capserve.runtime import Explanation, Runtime
 from capserve.runtime.outputs import sigmoid, softmax
 from capserve.serving.batching import (
-    BATCHES_IN_FLIGHT,
     ENDPOINTS,
     INLINE_DECODE_BYTES,
     INLINE_DECODE_PIXELS,
     batch_runtime,
     batch_size_histogram,
+    batches_for,
 )
 from capserve.serving.explain import heatmap_png, selectivity, vs_uniform
 from capserve.serving.guard import _request_error
@@ -37,6 +37,7 @@ from capserve.serving.routes import NO_MULTILABEL_MODEL
 from capserve.serving.schemas import Capsule, Classification, Explained, Label, MultiLabel
 from capserve.serving.settings import Settings
 from capserve.serving.sources import EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model
+from capserve.serving.workers import Worker, assign
 
 log = logging.getLogger("capserve.service")
 
@@ -105,11 +106,14 @@ def decode(upload: Upload, runtime: Runtime, max_pixels: int, what: str = "the i
 class Capsules:
     """What the service does, for ``service.py`` to expose: the runtimes (loaded once and warmed up), adaptive
     batching of single-image requests, and one method per endpoint. Bad requests raise ``error(RequestError)``
-    (``http_error``: BentoML's exceptions, answered with the right status)."""
+    (``http_error``: BentoML's exceptions, answered with the right status). ``worker`` is this server process's
+    share of the machine (``capserve.serving.workers.assign``; default: the only worker, all of it)."""
 
-    def __init__(self, settings: Settings, error: Any = http_error):
-        self.settings, self.error, self.ready = settings, error, False
+    def __init__(self, settings: Settings, error: Any = http_error, worker: Worker | None = None):
+        self.error, self.ready = error, False
         try:
+            self.worker = worker or assign(settings, 0, 1)
+            self.settings = settings = self.worker.settings(settings)  # its device and threads
             self.runtime, self.explainer, self.source = open_model(settings.model, settings)
             self.multilabel_runtime: Runtime | None = None
             self.multilabel_source: ModelSource | None = None
@@ -260,12 +264,13 @@ class Capsules:
         return dispatcher(infer)
 
     def batches_in_flight(self, multilabel: bool = False) -> int:
-        """How many adaptive batches may run at once: ``BATCHES_IN_FLIGHT`` on a separate batch session (ONNX
-        Runtime on a CPU, ``batch_runtime``), else 1 (BentoML's default); 0 with batching off."""
+        """How many adaptive batches may run at once: ``batches_for`` the worker's threads on a separate batch
+        session (ONNX Runtime on a CPU, ``batch_runtime``), else 1 (BentoML's default); 0 with batching off."""
         if not self.batching:
             return 0
         runtime = self.multilabel_runtime if multilabel else self.runtime
-        return BATCHES_IN_FLIGHT if self._batch_runtimes.get(multilabel, runtime) is not runtime else 1
+        apart = self._batch_runtimes.get(multilabel, runtime) is not runtime
+        return batches_for(self.settings.threads or 1) if apart else 1
 
     def check_top_k(self, top_k: int) -> None:
         labels = len(self.runtime.metadata.labels)
@@ -362,6 +367,10 @@ class Capsules:
 
         s = self.settings
         return {
+            "worker": self.worker.index,
+            "workers": self.worker.count,
+            "device": self.worker.device,
+            "threads": self.worker.threads,
             "single_label": model(self.runtime, self.source),
             "multi_label": model(self.multilabel_runtime, self.multilabel_source),
             "explain": model(self.explainer, self.source),

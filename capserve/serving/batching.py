@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from capserve.runtime import Runtime, load_runtime
 from capserve.serving.settings import Settings
+from capserve.serving.workers import available_cores
 
 # An upload at most this large decodes on the event loop under load (≈ 0.05–0.15 ms for a 32×32 to 64×64 PNG or
 # JPEG), saving the hops to a worker thread and back: +10 % req/s on /multilabel at concurrency 32 (README "Where
@@ -28,21 +28,33 @@ def lone_request_options(settings: Settings) -> dict[str, Any]:
     quiet 2-core machine): concurrency-1 p50 10.6 → 9.7 ms on ``/classify`` and 5.5 → 4.5 ms on ``/multilabel``,
     throughput at concurrency 32 and CPU per request unchanged. With batching off, concurrent requests share this
     session, and spinning threads would take the cores their peers need."""
-    batches_apart = settings.backend == "onnxruntime" and settings.device == "cpu" and settings.max_batch_size > 1
-    return {"spinning": True} if batches_apart else {}
+    if settings.backend != "onnxruntime":
+        return {}
+    threads = {"threads": settings.threads} if settings.threads else {}  # the worker's share (None: all cores)
+    batches_apart = settings.device == "cpu" and settings.max_batch_size > 1
+    return {**threads, "spinning": True} if batches_apart else threads
+
+
+def batches_for(threads: int) -> int:
+    """Adaptive batches run at once on a separate CPU batch session, for a worker with ``threads`` intra-op threads:
+    ``BATCHES_IN_FLIGHT``, but never more than its threads (a worker with one core's share runs one at a time, so
+    that N workers never run more inference threads than there are cores)."""
+    return max(1, min(BATCHES_IN_FLIGHT, threads))
 
 
 def batch_runtime(runtime: Runtime, settings: Settings) -> Runtime:
     """The runtime adaptive batches run on: for ONNX Runtime on a CPU, a second session of the same graph with the
-    cores split between ``BATCHES_IN_FLIGHT`` batches (on 2 cores: one intra-op thread each), so that the next batch
-    starts while one runs and no run waits on a peer thread descheduled by another; measured on this 2-core
-    machine at concurrency 32, ≈ 10 % less CPU per request than one batch at a time on both cores (README "Where
-    the time went"). Lone requests keep ``runtime`` and all its cores (the lowest latency). Other backends: itself.
+    worker's cores (``settings.threads``, capserve.serving.workers) split between the batches in flight
+    (``batches_for``; on 2 cores: one intra-op thread each), so that the next batch starts while one runs and
+    no run waits on a peer thread descheduled by another; measured on this 2-core machine at concurrency 32,
+    ≈ 10 % less CPU per request than one batch at a time on both cores (README "Where the time went"). Lone requests
+    keep ``runtime`` and all the worker's cores (the lowest latency). Other backends: itself.
     """
     if runtime.backend != "onnxruntime" or settings.device != "cpu":
         return runtime
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return load_runtime(runtime.path, "onnxruntime", settings.device, threads=max(1, cores // BATCHES_IN_FLIGHT))
+    threads = settings.threads or available_cores()
+    return load_runtime(runtime.path, "onnxruntime", settings.device,
+                        threads=max(1, threads // batches_for(threads)))  # fmt: skip
 
 
 ENDPOINTS = {False: "classify", True: "multilabel"}  # multilabel → the endpoint label of the batch-size metric

@@ -18,6 +18,7 @@ from typing import Any
 from capserve.errors import ConfigurationError
 from capserve.serving.guard import QuietClientErrors
 from capserve.serving.settings import Settings
+from capserve.serving.workers import worker_count
 
 # ---------------------------------------------------------------------------- the server process
 
@@ -94,6 +95,16 @@ def settings_or_exit(env: Mapping[str, str] | None = None) -> Settings:
     and exit status 3 (not a traceback and status 1), as a model that cannot load does."""
     try:
         return Settings.from_env(env)
+    except ConfigurationError as e:
+        print(f"capserve cannot start: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(FAILED_START_EXIT_CODE) from None
+
+
+def workers_or_exit(settings: Settings) -> int:
+    """``worker_count(settings)`` for the service module's import: ``CAPSERVE_WORKERS=auto`` on ``cuda`` with no GPU
+    visible stops the server with one line and exit status 3, as a bad setting does."""
+    try:
+        return worker_count(settings)
     except ConfigurationError as e:
         print(f"capserve cannot start: {e}", file=sys.stderr, flush=True)
         raise SystemExit(FAILED_START_EXIT_CODE) from None

@@ -13,6 +13,10 @@ from capserve.runtime.precision import MIN_AGREEMENT, PRECISIONS
 BACKENDS = ("onnxruntime", "torch", "tensorrt")
 
 
+# CAPSERVE_WORKERS's default on a CPU: see capserve.serving.workers and docs/deploy.md ("Workers") for what measured
+DEFAULT_WORKERS = 1
+
+
 # ---------------------------------------------------------------------------------------------------- settings
 
 
@@ -45,6 +49,8 @@ class Settings:
     max_bytes: int = 8 * 2**20  # request body limit (413 above it)
     max_pixels: int = DEFAULT_MAX_PIXELS  # decoded image limit (413 above it: decompression bombs)
     max_images: int = 64  # images in one /classify_batch request
+    workers: int | None = DEFAULT_WORKERS  # server processes (capserve.serving.workers); None: "auto"
+    threads: int | None = None  # intra-op threads per worker; None: the worker's share of the cores
     access_log: bool = False  # BentoML's access log line per request (~0.6 ms of the event loop each: off)
 
     @classmethod
@@ -68,6 +74,8 @@ class Settings:
             precision=env.get("CAPSERVE_PRECISION", "").strip().lower() or d.precision,
             bf16_min_agreement=_fraction(env, "CAPSERVE_BF16_MIN_AGREEMENT", d.bf16_min_agreement),
             access_log=_flag(env, "CAPSERVE_ACCESS_LOG", d.access_log),
+            workers=_workers(env, d.workers),
+            threads=_int(env, "CAPSERVE_THREADS", None, 1),
         )
         if settings.precision not in PRECISIONS:
             raise ConfigurationError(f"CAPSERVE_PRECISION={settings.precision!r}; choose one of: "
@@ -81,6 +89,21 @@ class Settings:
                                      "fix the routing iterations at export; re-export with `capserve export onnx DIR "
                                      "-o DIR/model.onnx -T N` or unset CAPSERVE_ITERATIONS")  # fmt: skip
         return settings
+
+
+def _workers(env: Mapping[str, str], default: int | None) -> int | None:
+    text = env.get("CAPSERVE_WORKERS", "").strip().lower()
+    if text == "auto":
+        return None
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigurationError(f"CAPSERVE_WORKERS={text!r}: give a number of workers or 'auto'") from None
+    if value < 1:
+        raise ConfigurationError(f"CAPSERVE_WORKERS={value} must be >= 1 (or 'auto')")
+    return value
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

@@ -71,6 +71,10 @@ def open_model(spec: str, settings: Settings) -> tuple[Runtime, Runtime | None, 
                                  "--name NAME`")  # fmt: skip
     try:
         if settings.backend == "torch":
+            if settings.threads and settings.device == "cpu":
+                import torch
+
+                torch.set_num_threads(settings.threads)  # the worker's share of the cores (serving.workers)
             runtime, _ = open_torch(path, settings.device, settings.iterations, settings.precision,
                                     settings.bf16_min_agreement)  # fmt: skip
             return runtime, runtime if has_routing(runtime) else None, source
@@ -84,7 +88,8 @@ def open_model(spec: str, settings: Settings) -> tuple[Runtime, Runtime | None, 
         _, runtime.precision_reason = resolve_precision(settings.precision, settings.backend, settings.device)
         explainer = None
         if (path / EXPLAIN_ARTIFACT).is_file():
-            explainer = load_runtime(path / EXPLAIN_ARTIFACT, "onnxruntime", settings.device)
+            explainer = load_runtime(path / EXPLAIN_ARTIFACT, "onnxruntime", settings.device,
+                                     threads=settings.threads or 0)  # fmt: skip
             explainer.precision_reason = runtime.precision_reason
         elif has_routing(runtime):
             log.warning("%s has no %s: /explain is off (run `capserve export onnx %s -o %s --explain`)", path,

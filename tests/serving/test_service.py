@@ -30,6 +30,7 @@ from support.server import (
     export,
     failed_start,
     random_png,
+    requests_total,
     softmax,
     start_server,
     stop,
@@ -534,14 +535,6 @@ def test_odd_but_valid_input_is_served(server, eager, data, content_type):
 
 
 SERVER_ROWS = ("an endpoint whose model", "a request queued")  # README rows the second server below tests
-
-
-def requests_total(client: httpx.Client, endpoint: str) -> float:
-    total = 0.0
-    for line in client.get("/metrics").text.replace(", ", ",").splitlines():
-        if line.startswith("bentoml_service_request_total{") and f'endpoint="{endpoint}"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_a_second_server_keeps_the_first_ones_metrics_and_answers_501_and_503(server, models):

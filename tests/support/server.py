@@ -117,6 +117,15 @@ def upload(data: bytes, field: str = "image", content_type: str = "image/png") -
     return {"files": {field: ("upload.png", data, content_type)}}
 
 
+def requests_total(client: httpx.Client, endpoint: str) -> float:
+    """BentoML's request count of ``endpoint`` on ``/metrics`` (every status, every worker)."""
+    total = 0.0
+    for line in client.get("/metrics").text.replace(", ", ",").splitlines():
+        if line.startswith("bentoml_service_request_total{") and f'endpoint="{endpoint}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def error_of(response: httpx.Response) -> str:
     """The message of an error response, which must be exactly one JSON object {"error": "..."}."""
     assert response.headers["content-type"] == "application/json", response.headers

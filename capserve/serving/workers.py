@@ -1,0 +1,126 @@
+"""Workers: how many server processes (``CAPSERVE_WORKERS``) and each one's share of the machine.
+
+BentoML runs ``workers`` copies of the service, each its own process with its own event loop, models and sessions.
+Each is told its share here: on GPUs, worker k serves on visible GPU k (round robin when there are more workers than
+GPUs); on CPUs the cores are split, so that N workers never run more inference threads than there are cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from capserve.errors import ConfigurationError
+from capserve.serving.settings import Settings
+
+# What CAPSERVE_WORKERS=auto starts on a CPU: one worker per this many cores. Measured with
+# `benchmarks/bench_http.py --table-only` on a 2-core VM (docs/deploy.md, "Workers"): see DEFAULT_WORKERS.
+CORES_PER_CPU_WORKER = 1
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def available_cores(cgroup: Path = CGROUP_ROOT) -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota (a container's CPU limit,
+    e.g. a Kubernetes ``resources.limits.cpu``), which affinity does not show: a 2-CPU pod on a 64-core node
+    would otherwise start 64 threads per session and be throttled."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = _cgroup_quota(cgroup)
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+def _cgroup_quota(root: Path) -> float | None:
+    """CPUs allowed by the cgroup CPU quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), None when unlimited."""
+    try:
+        text = (root / "cpu.max").read_text().split()
+        if text and text[0] != "max":
+            return int(text[0]) / int(text[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def visible_gpus(env: Mapping[str, str] | None = None) -> int:
+    """How many GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` when set (as CUDA reads it: the list ends at
+    the first invalid entry, so "" and "-1" hide every GPU), else NVIDIA's management library's count (the GPU
+    image has the CPU build of torch, so torch cannot count them); 0 without NVIDIA's driver."""
+    env = os.environ if env is None else env
+    if "CUDA_VISIBLE_DEVICES" in env:
+        count = 0
+        for entry in env["CUDA_VISIBLE_DEVICES"].split(","):
+            entry = entry.strip()
+            if not entry or entry.startswith("-"):
+                break
+            count += 1
+        return count
+    try:
+        from bentoml._internal.resource import NvidiaGpuResource
+    except ImportError:
+        return 0
+    return len(NvidiaGpuResource.from_system())
+
+
+def on_gpu(settings: Settings) -> bool:
+    return settings.device == "cuda" or settings.device.startswith("cuda:")
+
+
+def worker_count(settings: Settings, cores: int | None = None, gpus: int | None = None) -> int:
+    """``CAPSERVE_WORKERS`` resolved: the number given, or for ``auto`` one worker per visible GPU when serving on
+    ``cuda`` (one for a named ``cuda:N``), and on a CPU one per ``CORES_PER_CPU_WORKER`` cores."""
+    if settings.workers is not None:
+        return settings.workers
+    if settings.device.startswith("cuda:"):
+        return 1
+    if on_gpu(settings):
+        gpus = visible_gpus() if gpus is None else gpus
+        if gpus == 0:
+            raise ConfigurationError("CAPSERVE_WORKERS=auto with CAPSERVE_DEVICE=cuda, but no GPU is visible (check "
+                                     "nvidia-smi and CUDA_VISIBLE_DEVICES, and the pod's nvidia.com/gpu request); "
+                                     "set CAPSERVE_DEVICE=cpu, or CAPSERVE_WORKERS to a number")  # fmt: skip
+        return gpus
+    cores = available_cores() if cores is None else cores
+    return max(1, cores // CORES_PER_CPU_WORKER)
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One server process's share: its index (0 .. count - 1), the device it serves on and its intra-op threads."""
+
+    index: int
+    count: int
+    device: str
+    threads: int
+
+    def settings(self, settings: Settings) -> Settings:
+        """``settings`` for this worker: its device and its threads."""
+        return dataclasses.replace(settings, device=self.device, threads=self.threads)
+
+
+def assign(settings: Settings, index: int, count: int, cores: int | None = None) -> Worker:
+    """Worker ``index`` of ``count``'s share: on ``cuda``, visible GPU ``index`` (modulo the GPUs when there are
+    fewer; a named ``cuda:N`` is every worker's); intra-op threads ``CAPSERVE_THREADS``, else cores ÷ workers."""
+    if not 0 <= index < count:
+        raise ValueError(f"worker index {index} is not in 0..{count - 1}")
+    device = settings.device
+    if device == "cuda" and count > 1:  # one worker keeps "cuda", the current device, as before
+        device = f"cuda:{index % max(1, visible_gpus())}"
+    cores = available_cores() if cores is None else cores
+    threads = settings.threads or max(1, cores // count)
+    return Worker(index, count, device, threads)
+
+
+def current_index() -> int:
+    """This process's worker index from 0: BentoML numbers its workers from 1 (0 outside a BentoML worker)."""
+    from bentoml._internal.context import server_context
+
+    return (server_context.worker_index or 1) - 1
