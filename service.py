@@ -1,6 +1,6 @@
 """capserve over HTTP: a thin BentoML shell over ``capserve.serving.Capsules`` (settings, model loading, request
 logic and errors live there). ``bentoml serve service:CapsuleService`` from the repository root, or ``make serve``;
-settings from ``CAPSERVE_*`` environment variables (README "Serving over HTTP")."""
+settings from ``CAPSERVE_*`` environment variables (docs/serving.md)."""
 
 from __future__ import annotations
 

@@ -233,7 +233,7 @@ _DYNAMIC = dict(pose="vector", routing_algorithm="dynamic", routing="sequential"
 _EM = dict(routing_algorithm="em", routing="sequential", pose="matrix", pose_dim=16, layer_norm=False, iterations=2)
 
 # Hinton et al.'s layout, conv capsules straight into the class capsules (with coordinate addition): an fc capsule
-# layer in between, as in our DiverseMultiMNIST configs, left the short CPU runs at chance (README, EM routing)
+# layer in between, as in our DiverseMultiMNIST configs, left the short CPU runs at chance (docs/routing.md, EM routing)
 _MULTIMNIST_EM_SMALL = {
     **_MULTIMNIST, **_EM, "backbone_channels": 256, "primary_types": 8,
     "capsules": (CapsuleLayerConfig("conv", 8, kernel_size=3, stride=2),),

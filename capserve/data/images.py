@@ -69,7 +69,10 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: in
     """Decode the first frame of ``data``, EXIF-oriented, fully loaded (so truncation is caught here).
 
     Raises:
-        EmptyImageError, UndecodableImageError, ImageTooLargeError, ImageTooSmallError.
+        EmptyImageError: ``data`` is empty.
+        UndecodableImageError: Pillow cannot decode it (not an image, truncated).
+        ImageTooLargeError: more than ``max_pixels`` pixels (checked from the header, before decoding).
+        ImageTooSmallError: zero-sized, or a side under ``min_side``.
     """
     if not data:
         raise EmptyImageError("the image is empty (0 bytes); send the file's contents")

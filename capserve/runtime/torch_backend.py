@@ -27,7 +27,7 @@ class TorchRuntime(Runtime):
         device: "cpu", "cuda" or "cuda:N".
         iterations: routing iterations T (default: the config's; a CNN without routing takes none).
         precision: "fp32", or "bf16"/"fp16" autocast (bf16 on a CPU with AVX-512 BF16: 2-3× the batch-64
-            throughput of fp32 for cifar10-resnet, same test accuracy; see README "Export and runtimes").
+            throughput of fp32 for cifar10-resnet, same test accuracy; see docs/export.md).
     """
 
     backend = "torch"

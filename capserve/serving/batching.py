@@ -9,8 +9,8 @@ from capserve.serving.settings import Settings
 from capserve.serving.workers import available_cores
 
 # An upload at most this large decodes on the event loop under load (≈ 0.05–0.15 ms for a 32×32 to 64×64 PNG or
-# JPEG), saving the hops to a worker thread and back: +10 % req/s on /multilabel at concurrency 32 (README "Where
-# the time went", item 5). A larger one decodes in a worker thread, beside the event loop.
+# JPEG), saving the hops to a worker thread and back: +10 % req/s on /multilabel at concurrency 32
+# (docs/benchmarks.md). A larger one decodes in a worker thread, beside the event loop.
 INLINE_DECODE_BYTES = 64 * 1024
 
 
@@ -46,8 +46,8 @@ def batch_runtime(runtime: Runtime, settings: Settings) -> Runtime:
     """The runtime adaptive batches run on: for ONNX Runtime on a CPU, a second session of the same graph with the
     worker's cores (``settings.threads``, capserve.serving.workers) split between the batches in flight
     (``batches_for``; on 2 cores: one intra-op thread each), so that the next batch starts while one runs and
-    no run waits on a peer thread descheduled by another; measured on this 2-core machine at concurrency 32,
-    ≈ 10 % less CPU per request than one batch at a time on both cores (README "Where the time went"). Lone requests
+    no run waits on a peer thread descheduled by another; measured on a 2-core machine at concurrency 32,
+    ≈ 10 % less CPU per request than one batch at a time on both cores (docs/benchmarks.md). Lone requests
     keep ``runtime`` and all the worker's cores (the lowest latency). Other backends: itself.
     """
     if runtime.backend != "onnxruntime" or settings.device != "cpu":

@@ -64,7 +64,7 @@ def prepare_server_process() -> None:
 def freeze_startup_heap() -> None:
     """Exempt every object the server process holds once it has started (libraries, models, warm-up) from Python's
     cyclic garbage collector (``gc.freeze``). Its full collections otherwise walk those long-lived objects over and
-    over under load: 14 % of the event loop's CPU per ``/multilabel`` request (README "Where the time went", item 6).
+    over under load: 14 % of the event loop's CPU per ``/multilabel`` request (docs/benchmarks.md).
     Called by the service once its models are loaded; requests' own objects are collected as before."""
     gc.collect()
     gc.freeze()
@@ -76,7 +76,7 @@ def untraced_without_exporter() -> bool:
 
     BentoML runs every request through that middleware (a server span, and a span per receive and per send) even
     when no exporter is configured and nothing can be recorded; that was about 40 % of the event loop's work per
-    image request (README "Where the time went"). With an exporter configured, requests are traced as before.
+    image request (docs/benchmarks.md). With an exporter configured, requests are traced as before.
     """
     try:
         from bentoml._internal.configuration.containers import BentoMLContainer

@@ -4,7 +4,7 @@ Defaults reproduce Tsai et al. (2020): SGD lr 0.1, momentum 0.9, weight decay 5e
 at epochs 150 and 250 (``--schedule step``; with other ``--epochs`` the milestones stay at 3/7 and 5/7 of the run),
 cross-entropy for single-label data, BCE-with-logits and exact-match accuracy for DiverseMultiMNIST.
 ``--optimizer adam`` (lr 1e-3 unless ``--lr`` is given) is the optimizer of the dynamic-routing paper (Sabour et al.
-2017: Adam with TensorFlow's defaults) and of the EM reproductions, and what the README's short EM and dynamic-routing
+2017: Adam with TensorFlow's defaults) and of the EM reproductions, and what the docs' short EM and dynamic-routing
 runs use.
 
 Unlike the authors (who kept the best *test* epoch), the best epoch is chosen on a validation split carved from the
