@@ -8,6 +8,7 @@ meant to be imported by ``bentoml serve``, not by library code."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,11 +19,13 @@ from pydantic import Field
 
 from capserve import serving
 from capserve.serving import Classification, Explained, MultiLabel
+from capserve.serving.settings import bento_environment
 
 # a file upload in the API (OpenAPI, clients); served as the bytes RequestGuard parsed (serving.guarded_upload)
 ImageFile = Annotated[Path, ContentType("image/*"), serving.GUARDED_UPLOAD]
 serving.prepare_server_process()  # exit status 3 when the model cannot load, own /metrics folder, quiet 4xx logs
-SETTINGS = serving.settings_or_exit()  # read at import: the batching limits go into the API decorators
+# read at import (the batching limits go into the API decorators); inside a built bento, its envs are the defaults
+SETTINGS = serving.settings_or_exit({**bento_environment(__file__), **os.environ})
 BATCH = dict(batchable=True, max_batch_size=max(SETTINGS.max_batch_size, 2), max_latency_ms=SETTINGS.max_latency_ms)
 
 
