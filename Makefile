@@ -1,9 +1,18 @@
 # Every target sets itself up on a fresh machine: a virtual environment in .venv, the CPU build of torch
-# first (a bare range would pull a multi-GB CUDA build), then capserve (editable) with its CPU extras.
+# first, then capserve (editable) with its CPU extras.
 # Afterwards `source .venv/bin/activate` puts `capserve` and `bentoml` on the PATH.
+#
+# torch comes from TORCH_INDEX, PyTorch's CPU index: from PyPI the same pin is a ~0.5 GB CUDA build that pulls
+# CUDA toolkits and cuDNN. --index-url replaces PyPI for that one command only (the CPU index also serves torch's
+# dependencies); wheels that pip's own configuration finds locally (find-links) still count. Overrides:
+#   GPU training:         make install TORCH_INDEX=https://download.pytorch.org/whl/cu128
+#   your own mirror:      make install TORCH_INDEX=https://mirror.example/simple
+#   offline / pip config: make install TORCH_INDEX=        (no index option: pip's configuration decides)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INSTALL = "$(TORCH_SPEC)" $(if $(strip $(TORCH_INDEX)),--index-url $(TORCH_INDEX))
 PORT ?= 3000
 
 .PHONY: install install-gpu test serve lint bench bento bento-cpu clean
@@ -11,7 +20,7 @@ PORT ?= 3000
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(TORCH_INSTALL)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
@@ -22,14 +31,14 @@ install: $(VENV)/.installed
 install-gpu:
 	python3 -m venv .venv-gpu
 	.venv-gpu/bin/python -m pip install -q --upgrade pip
-	.venv-gpu/bin/python -m pip install -q "$(TORCH_SPEC)"
+	.venv-gpu/bin/python -m pip install -q $(TORCH_INSTALL)
 	.venv-gpu/bin/python -m pip install -q -e ".[gpu,train]" "pytest>=8" "httpx>=0.27"
 
 test: install
 	$(PY) -m pytest -q
 
 serve: install
-	cd $(CURDIR) && $(VENV)/bin/bentoml serve service:CapsuleService --host 0.0.0.0 --port $(PORT)
+	cd $(CURDIR) && $(VENV)/bin/capserve serve --host 0.0.0.0 --port $(PORT)
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

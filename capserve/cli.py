@@ -1,4 +1,9 @@
-"""``capserve`` command line: one subcommand per module, each with ``add_arguments(parser)`` and ``run(args)``."""
+"""capserve: capsule networks with inverted dot-product attention routing, from training to an HTTP service.
+
+Train a model on CIFAR-10, MultiMNIST or your own images, evaluate it per routing iteration count, export it to
+ONNX or TensorRT, check the export against PyTorch, and serve it over HTTP (BentoML). `capserve COMMAND --help`
+says more about each command.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ COMMANDS = {
     "evaluate": ("capserve.evaluate", "accuracy of a checkpoint on a test set, per routing iteration count"),
     "export": ("capserve.export.cli", "export a checkpoint to ONNX, or an ONNX file to a TensorRT engine"),
     "verify": ("capserve.export.verify", "compare an exported artifact with eager PyTorch"),
+    "serve": ("capserve.serving.cli", "serve a model over HTTP (bentoml serve of capserve's service)"),
     "models": ("capserve.cli", "list the named model configurations with their parameter counts"),
 }
 
@@ -57,16 +63,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="capserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="capserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     argv = sys.argv[1:] if argv is None else argv
+    parsers = {}
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        parsers[name] = p = sub.add_parser(name, help=help_text, description=help_text)
         # only the chosen command's module is imported (keeps `capserve models` free of onnx/tensorrt)
         if name in argv:
             importlib.import_module(module).add_arguments(p)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser, with its usage (the top-level one would show capserve's)
+        parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     try:
         return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)

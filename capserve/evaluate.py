@@ -40,6 +40,7 @@ from capserve.data.own import (
     FailureLog,
     Manifest,
     Sample,
+    check_data_exists,
     check_labels,
     is_own_data,
     iter_decoded,
@@ -150,6 +151,15 @@ def fit_thresholds(logits: Tensor, targets: Tensor, grid: tuple[float, ...] = TH
     return tuple(best)
 
 
+PER_LABEL = ("precision", "recall", "f1", "support")  # per-class lists in the metrics, keyed by label in reports
+
+
+def by_label(metrics: dict[str, Any], labels: Sequence[str]) -> dict[str, Any]:
+    """The metrics with each per-class list as {label: value} (the order of ``labels``): a report read by a script
+    must not depend on knowing the label order. The confusion matrix stays a matrix in the order of ``labels``."""
+    return {k: dict(zip(labels, v, strict=True)) if k in PER_LABEL else v for k, v in metrics.items()}
+
+
 def metrics(config: Any, logits: Tensor, targets: Tensor) -> dict[str, Any]:
     if config.task == "multi_label":
         return multi_label_metrics(logits, targets, config.thresholds)
@@ -208,8 +218,8 @@ def store_thresholds(checkpoint: Path, model: Model, thresholds: Sequence[float]
     save_model(model, checkpoint, extra=extra)
 
 
-def calibrate(checkpoint: str | Path, data: str | Path, batch_size: int = 250,
-              device: str | torch.device = "cpu") -> tuple[float, ...]:  # fmt: skip
+def calibrate(checkpoint: str | Path, data: str | Path, batch_size: int = 250, device: str | torch.device = "cpu",
+              label_separator: str | None = None) -> tuple[float, ...]:  # fmt: skip
     """Fit per-class thresholds on the checkpoint's validation split and store them in its config.json."""
     checkpoint = Path(checkpoint)
     model = load(checkpoint, device)
@@ -218,7 +228,7 @@ def calibrate(checkpoint: str | Path, data: str | Path, batch_size: int = 250,
         raise ValueError(f"--calibrate is for multi-label models; {c.name} is {c.task}")
     info = c.extra.get("data", {})
     if is_own_data(data):
-        manifest = scan(data)
+        manifest = scan(data, label_separator)
         check_labels(manifest, c.labels, "the model's labels", ("val",))
         samples = own_samples(manifest, "val", info.get("val_size"))
         logits, targets, _ = evaluate_own(model, samples, manifest.source, [None], batch_size, device)
@@ -240,6 +250,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="model folder (config.json + model.safetensors), e.g. RUN/best")
     p.add_argument("--data", required=True, help="your images (a label-folder tree or a CSV: its test split, or "
                    "everything when it names no splits), or the folder with the CIFAR/MNIST files")  # fmt: skip
+    p.add_argument("--label-separator", metavar="SEP", help="a CSV's labels column: labels separated by SEP "
+                   "(default: spaces), as in training")  # fmt: skip
     p.add_argument("--iterations", help="routing iteration counts, comma-separated (default 1,2,3,4,5; CNN "
                    "baselines have no routing and take none)")  # fmt: skip
     p.add_argument("--split", choices=("test", "val"), default="test")
@@ -281,8 +293,9 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / CONFIG).is_file():
         raise FileNotFoundError(f"{checkpoint} is not a model folder ({CONFIG} missing); pass e.g. RUN/best")
+    check_data_exists(args.data)
     if args.calibrate:
-        thresholds = calibrate(checkpoint, args.data, args.batch_size, args.device)
+        thresholds = calibrate(checkpoint, args.data, args.batch_size, args.device, args.label_separator)
         log.info("calibrated thresholds on the validation split (stored in %s): %s", checkpoint / CONFIG,
                  ", ".join(f"{t:.2f}" for t in thresholds))  # fmt: skip
     model = load(checkpoint, args.device)
@@ -292,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     info = c.extra.get("data", {})
     skipped = 0
     if is_own_data(args.data):
-        manifest = scan(args.data)
+        manifest = scan(args.data, args.label_separator)
         dataset = manifest.kind
         samples = own_samples(manifest, args.split, info.get("val_size"))[: args.limit]
         check_labels(Manifest(manifest.source, manifest.kind, {"train": [], args.split: samples}, True), c.labels,
@@ -315,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
         results = evaluate(model, split, iterations, args.batch_size, args.device)
         images = len(split)
     key = "exact_match" if c.task == "multi_label" else "top1"
+    results = {T: by_label(r, c.labels) for T, r in results.items()}
     report = {"model": c.name, "checkpoint": str(checkpoint), "data": str(args.data), "dataset": dataset,
               "split": args.split, "images": images, "skipped_images": skipped, "task": c.task,
               "labels": list(c.labels), "trained_iterations": trained_T, "thresholds": c.thresholds,
@@ -347,12 +361,12 @@ def run(args: argparse.Namespace) -> int:
         )
     width = max(10, *(len(lab) for lab in c.labels))
     if c.task == "multi_label":
-        print("per-class F1: " + ", ".join(f"{lab} {f:.3f}" for lab, f in zip(c.labels, main["f1"], strict=True)))
+        print("per-class F1: " + ", ".join(f"{lab} {main['f1'][lab]:.3f}" for lab in c.labels))
     else:
         print(f"{'label':>{width}} {'precision':>9} {'recall':>7} {'F1':>6} {'images':>7}")
-        for i, lab in enumerate(c.labels):
-            print(f"{lab:>{width}} {main['precision'][i]:9.3f} {main['recall'][i]:7.3f} {main['f1'][i]:6.3f} "
-                  f"{main['support'][i]:7d}")  # fmt: skip
+        for lab in c.labels:
+            print(f"{lab:>{width}} {main['precision'][lab]:9.3f} {main['recall'][lab]:7.3f} {main['f1'][lab]:6.3f} "
+                  f"{main['support'][lab]:7d}")  # fmt: skip
         print("confusion matrix (rows true, columns predicted):")
         for lab, row in zip(c.labels, main["confusion"], strict=True):
             print(f"{lab:>{width}} " + " ".join(f"{v:5d}" for v in row))

@@ -1,5 +1,6 @@
 """The package as users install it: build the wheel, install it with its [export,serve] extras into a fresh
-virtual environment, and use it from a folder outside the checkout.
+virtual environment, and use it from a folder outside the checkout: export, verify, and `capserve serve` answering
+HTTP requests through the real `bentoml serve` of the installed package's service.
 
 An editable install hides packaging mistakes (a subpackage missing from the wheel still imports from the
 checkout), so every other test would pass with a broken wheel. ~1-2 min: most of it is pip installing torch
@@ -10,11 +11,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
+import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,3 +78,61 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     )
     out = run([capserve, "verify", "cifar10/model.onnx", "--against", "cifar10", "--batch-sizes", "1,5"], work, env)
     assert "cifar10-resnet, T=2, fp32, onnxruntime on CPUExecutionProvider" in out and out.strip().endswith("passed")
+
+    # serving from the wheel: the service is a module of the installed package (service.py is not in the wheel)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = work / "serve.log"
+    serve_env = {**env, "BENTOML_HOME": str(tmp_path / "bentoml"), "BENTOML_DO_NOT_TRACK": "True"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([capserve, "serve", "cifar10", "--host", "127.0.0.1", "--port", str(port)], cwd=work,
+                                env=serve_env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"capserve serve exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"capserve serve not ready after 180 s:\n{log.read_text()[-3000:]}")
+        image = (ROOT / "tests" / "fixtures" / "cifar10-test-200.png").read_bytes()
+        r = httpx.post(f"{url}/classify", files={"image": ("x.png", image, "image/png")}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "cifar10-resnet" and len(r.json()["predictions"]) == 5
+        described = httpx.get(f"{url}/model", timeout=30).json()
+        assert described["single_label"]["source"].endswith("cifar10") and described["multi_label"] is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    r = subprocess.run([capserve, "serve", "nosuch"], cwd=work, env=serve_env, capture_output=True, text=True)
+    assert r.returncode == 2 and "MODEL 'nosuch' is not a file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_make_install_takes_torch_from_the_cpu_index_and_can_be_told_otherwise(tmp_path):
+    """`torch==2.13.0` alone is a CUDA build from PyPI: `make install` names PyTorch's CPU index (the bentofiles'),
+    a GPU machine overrides it, and an empty TORCH_INDEX leaves pip's own configuration (local wheels) alone."""
+    import yaml
+
+    def torch_line(*overrides: str) -> str:
+        r = subprocess.run(["make", "-n", "install", f"VENV={tmp_path / 'v'}", *overrides], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        (line,) = [line for line in r.stdout.splitlines() if '"torch==' in line]
+        return line
+
+    cpu = "https://download.pytorch.org/whl/cpu"
+    for bentofile in ("bentofile.yaml", "bentofile-cpu.yaml"):
+        assert yaml.safe_load((ROOT / bentofile).read_text())["python"]["extra_index_url"] == [cpu]
+    assert torch_line().endswith(f'"torch==2.13.0" --index-url {cpu}')
+    gpu = "https://download.pytorch.org/whl/cu128"
+    assert torch_line(f"TORCH_INDEX={gpu}").endswith(f"--index-url {gpu}")
+    assert "--index-url" not in torch_line("TORCH_INDEX=")

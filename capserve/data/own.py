@@ -6,8 +6,9 @@ Layouts
             non-ASCII letters). Images may sit at any depth under their label folder; files whose suffix is not an
             image suffix (``IMAGE_SUFFIXES``) and hidden files are ignored.
     CSV     a header naming the columns ``image`` (a path relative to the CSV's folder; ``../`` and absolute paths
-            are refused with the line number) and ``labels`` (label names separated by spaces; empty: none of the
-            labels), optionally ``split`` (``train``/``val``/``test``; empty: train). Multi-label; the labels are the
+            are refused with the line number) and ``labels`` (label names separated by spaces, or by
+            ``label_separator``, e.g. ``;`` or ``|``, for names that hold spaces; empty: none of the labels),
+            optionally ``split`` (``train``/``val``/``test``; empty: train). Multi-label; the labels are the
             sorted union of the training rows' labels.
 
 Validation: where the data has no val split, ``val_size`` training images (a count, or a fraction of train) are
@@ -130,16 +131,33 @@ def is_own_data(path: str | Path) -> bool:
     return path.is_dir() and not has_builtin_files(path)
 
 
-def scan(path: str | Path) -> Manifest:
-    """The manifest of an image folder or a CSV file (``DataError`` naming the fix when neither works)."""
+def scan(path: str | Path, label_separator: str | None = None) -> Manifest:
+    """The manifest of an image folder or a CSV file (``DataError`` naming the fix when neither works); a CSV's
+    labels are split on ``label_separator`` (None: on spaces)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data {path} does not exist")
     if path.is_file():
         if path.suffix.lower() != ".csv":
             raise DataError(f"{path} is a file but not a .csv manifest; pass a CSV or a folder of label folders")
-        return scan_csv(path)
+        return scan_csv(path, label_separator)
+    if label_separator is not None:
+        raise DataError(f"--label-separator is for a CSV's labels column; {path} is a folder, whose label folders' "
+                        "names are the labels (spaces included)")  # fmt: skip
     return scan_folder(path)
+
+
+def check_data_exists(data: str | Path) -> None:
+    """A ``--data`` that names nothing: said as such (not as missing CIFAR files), before anything is written."""
+    if not Path(data).exists():
+        raise DataError(f"--data {data}: no such file or folder (working directory {Path.cwd()}); give a folder of "
+                        "label folders, a CSV, or the folder with the CIFAR/MNIST files")  # fmt: skip
+
+
+def split_labels(text: str, separator: str | None = None) -> tuple[str, ...]:
+    """A CSV labels cell → its labels, unique, in order: split on spaces, or on ``separator`` (each stripped)."""
+    parts = text.split() if separator is None else (p.strip() for p in text.split(separator))
+    return tuple(dict.fromkeys(p for p in parts if p))
 
 
 def _visible(path: Path, root: Path) -> bool:
@@ -160,11 +178,10 @@ def _label_folders(directory: Path, root: Path) -> tuple[list[Sample], int]:
 
 def scan_folder(root: Path) -> Manifest:
     """``root/<label>/...`` or ``root/train/<label>/...`` (+ ``val/``, ``test/``)."""
-    named = (root / "train").is_dir()
-    if not named and any((root / s).is_dir() for s in ("val", "test")):
-        raise DataError(f"{root} has a val/ or test/ folder but no train/ folder: put the training images in "
-                        f"{root}/train/<label>/")  # fmt: skip
-    splits, ignored = {}, 0
+    # a test/ (or val/) folder alone is named splits too: the usual thing to evaluate (training says what is missing)
+    named = any((root / s).is_dir() for s in SPLITS)
+    splits: dict[str, list[Sample]] = {"train": []}
+    ignored = 0
     for split in SPLITS if named else ("train",):
         directory = root / split if named else root
         if directory.is_dir():
@@ -194,8 +211,11 @@ def _csv_path(raw: str, root: Path, where: str) -> Path:
     return root / normal
 
 
-def scan_csv(path: Path) -> Manifest:
-    """A CSV manifest with columns image, labels and optionally split."""
+def scan_csv(path: Path, label_separator: str | None = None) -> Manifest:
+    """A CSV manifest with columns image, labels (split on spaces, or on ``label_separator``) and optionally
+    split."""
+    if label_separator is not None and (not label_separator or label_separator in "\r\n"):
+        raise DataError(f"--label-separator {label_separator!r}: give one or more characters, e.g. ';' or '|'")
     root = path.parent
     splits: dict[str, list[Sample]] = {"train": []}
     try:
@@ -214,7 +234,7 @@ def scan_csv(path: Path) -> Manifest:
                 if split not in SPLITS:
                     raise DataError(f"{where}: split {split!r} is not one of {', '.join(SPLITS)} (empty means train)")
                 image = _csv_path((row.get("image") or "").strip(), root, where)
-                labels = tuple(dict.fromkeys((row.get("labels") or "").split()))  # unique, in order
+                labels = split_labels(row.get("labels") or "", label_separator)
                 splits.setdefault(split, []).append(Sample(image, labels, where))
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text ({e}); save it as UTF-8 CSV") from e
@@ -228,6 +248,9 @@ def scan_csv(path: Path) -> Manifest:
 def check_training(manifest: Manifest) -> tuple[str, ...]:
     """The labels to train on, after checking the manifest can train a classifier."""
     source = manifest.source
+    if not manifest.splits["train"] and manifest.kind == "folder" and not (source / "train").is_dir():
+        raise DataError(f"{source} has a val/ or test/ folder but no train/ folder: put the training images in "
+                        f"{source}/train/<label>/")  # fmt: skip
     if not manifest.splits["train"]:
         raise DataError(f"{source} has no training images (rows with split train or an empty split)"
                         if manifest.kind == "csv" else f"{source}/train holds no images in label folders")  # fmt: skip
@@ -398,7 +421,7 @@ def fingerprint(manifest: Manifest, labels: Sequence[str], spec: InputSize) -> s
                 stamp = f"{st.st_size}:{st.st_mtime_ns}"
             except OSError:
                 stamp = "missing"
-            h.update(f"\n{split}\t{s.path}\t{stamp}\t{' '.join(s.labels)}".encode())
+            h.update(f"\n{split}\t{s.path}\t{stamp}\t{json.dumps(s.labels)}".encode())  # "a b" ≠ ("a", "b")
     return h.hexdigest()
 
 

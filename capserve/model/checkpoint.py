@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_file
-from torch import nn
+from torch import Tensor, nn
 
 from capserve.configs import ModelConfig
 from capserve.errors import CheckpointError
@@ -25,10 +26,20 @@ def save_model(model: nn.Module, directory: str | Path, extra: dict[str, Any] | 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS), metadata={"format": "pt"})
     payload = {"format_version": FORMAT_VERSION, "config": model.config.to_dict(), **(extra or {})}
     (directory / CONFIG).write_text(json.dumps(payload, indent=2) + "\n")
+    save_tensors(state, directory / WEIGHTS, metadata={"format": "pt"})
     return directory
+
+
+def save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors``' ``save_file`` with the permissions of any other new file (0644 under the usual umask):
+    it writes mode 0600, so a model folder copied to a server or a shared disk had weights only its author could
+    read."""
+    save_file(tensors, str(path), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def read_config(directory: str | Path) -> ModelConfig:

@@ -45,7 +45,7 @@ class ModelMetadata:
     @classmethod
     def from_config(cls, config: ModelConfig, iterations: int | None = None, **extra: str) -> ModelMetadata:
         return cls(
-            name=config.name,
+            name=str(config.extra.get("name") or config.name),  # a trained run's name (``capserve train --name``)
             task=config.task,
             labels=tuple(config.labels),
             in_channels=config.in_channels,

@@ -32,7 +32,7 @@ from capserve.serving.batching import (
 )
 from capserve.serving.explain import heatmap_png, selectivity, vs_uniform
 from capserve.serving.guard import _request_error
-from capserve.serving.process import report_failed_start
+from capserve.serving.process import leave_failed_worker, report_failed_start
 from capserve.serving.routes import NO_MULTILABEL_MODEL
 from capserve.serving.schemas import Capsule, Classification, Explained, Label, MultiLabel
 from capserve.serving.settings import Settings
@@ -118,7 +118,9 @@ class Capsules:
             self.multilabel_runtime: Runtime | None = None
             self.multilabel_source: ModelSource | None = None
             if settings.multilabel_model.lower() != "none":
-                self.multilabel_runtime, _, self.multilabel_source = open_model(settings.multilabel_model, settings)
+                # no explanation graph: /explain serves the single-label model only
+                self.multilabel_runtime, _, self.multilabel_source = open_model(settings.multilabel_model, settings,
+                                                                                explain=False)  # fmt: skip
                 if self.multilabel_runtime.metadata.task != "multi_label":
                     raise ConfigurationError(f"CAPSERVE_MULTILABEL_MODEL={settings.multilabel_model} is a "
                                              f"{self.multilabel_runtime.metadata.task} model; give a multi_label "
@@ -134,7 +136,10 @@ class Capsules:
             self._warm_up()
         except Exception as e:  # any failed start stops the server (exit 3); unexpected ones with their traceback
             log.critical("capserve cannot start: %s", e, exc_info=not isinstance(e, ConfigurationError))
-            report_failed_start()
+            if report_failed_start() and isinstance(e, ConfigurationError):
+                # a server's worker: its server now stops with status 3. Leaving here spares the log BentoML's two
+                # tracebacks of what the line above already said (60 lines for one mistake)
+                leave_failed_worker()
             raise
 
     def _warm_up(self) -> None:

@@ -122,11 +122,22 @@ def _exit_status() -> None:
         os._exit(FAILED_START_EXIT_CODE)
 
 
-def report_failed_start() -> None:
-    """Called by a worker whose model cannot be loaded: stop the server process with a non-zero status.
+def report_failed_start() -> bool:
+    """Called by a worker whose model cannot be loaded: stop the server process with a non-zero status; True when
+    it did.
 
     Only a worker of a server that ``prepare_server_process`` set up signals, and only that server: ``Capsules``
     used in-process (a script, a test) must never signal whatever process happens to be its parent."""
     server = os.environ.get(SERVER_PID_VARIABLE)
     if os.environ.get("CAPSERVE_EXIT_ON_FAILURE", "1") != "0" and server == str(os.getppid()):
         os.kill(os.getppid(), FAILED_START_SIGNAL)
+        return True
+    return False
+
+
+def leave_failed_worker() -> None:
+    """End a worker whose server ``report_failed_start`` signalled, with the logs flushed and nothing more said."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(FAILED_START_EXIT_CODE)

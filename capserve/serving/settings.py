@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from capserve.data.images import DEFAULT_MAX_PIXELS
 from capserve.errors import ConfigurationError
@@ -104,6 +105,22 @@ def _workers(env: Mapping[str, str], default: int | None) -> int | None:
     if value < 1:
         raise ConfigurationError(f"CAPSERVE_WORKERS={value} must be >= 1 (or 'auto')")
     return value
+
+
+def bento_environment(module_file: str | Path) -> dict[str, str]:
+    """The ``envs`` of the bento whose source holds ``module_file`` (``BENTO/src/capserve/serving/service.py`` →
+    ``BENTO/bento.yaml``); {} outside a bento.
+
+    A container built from the bento sets them (Dockerfile ENV), but ``bentoml serve NAME:VERSION`` on a machine
+    does not: the service then looked for ``models/cifar10`` and stopped. The service takes them as defaults that
+    the real environment overrides."""
+    for folder in Path(module_file).resolve().parents:
+        if folder.name == "src" and (folder.parent / "bento.yaml").is_file():
+            import yaml  # a dependency of BentoML, which wrote the file
+
+            info = yaml.safe_load((folder.parent / "bento.yaml").read_text()) or {}
+            return {str(e["name"]): str(e.get("value", "")) for e in info.get("envs") or [] if "name" in e}
+    return {}
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

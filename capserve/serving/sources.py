@@ -58,17 +58,21 @@ def resolve_model(spec: str) -> ModelSource:
     return ModelSource(Path(stored.path), str(stored.tag))
 
 
-def open_model(spec: str, settings: Settings) -> tuple[Runtime, Runtime | None, ModelSource]:
-    """The runtime for predictions, the one for explanations (None when the model has none), and the source."""
+def open_model(spec: str, settings: Settings, explain: bool = True) -> tuple[Runtime, Runtime | None, ModelSource]:
+    """The runtime for predictions, the one for explanations (None when the model has none, or ``explain`` is False:
+    the multi-label model, which /explain does not use), and the source."""
     source = resolve_model(spec)
     path = source.path
+    if path.is_file():
+        runtime = _open_file(path, settings)
+        return runtime, _file_explainer(path, settings, runtime) if explain else None, source
     if not path.is_dir():
         home = os.environ.get("BENTOML_HOME", "~/bentoml")
         raise ConfigurationError(f"model {spec!r} is neither a directory (working directory {Path.cwd()}) nor a "
                                  f"model in BentoML's model store ({home}): set CAPSERVE_MODEL / "
                                  "CAPSERVE_MULTILABEL_MODEL to a directory made by `capserve train` or "
-                                 "model.save(dir), or save one to the store with `capserve export bentoml DIR "
-                                 "--name NAME`")  # fmt: skip
+                                 "model.save(dir), an exported .onnx file, or save one to the store with "
+                                 "`capserve export bentoml DIR --name NAME`")  # fmt: skip
     try:
         if settings.backend == "torch":
             if settings.threads and settings.device == "cpu":
@@ -77,7 +81,7 @@ def open_model(spec: str, settings: Settings) -> tuple[Runtime, Runtime | None, 
                 torch.set_num_threads(settings.threads)  # the worker's share of the cores (serving.workers)
             runtime, _ = open_torch(path, settings.device, settings.iterations, settings.precision,
                                     settings.bf16_min_agreement)  # fmt: skip
-            return runtime, runtime if has_routing(runtime) else None, source
+            return runtime, runtime if explain and has_routing(runtime) else None, source
         artifact = path / ARTIFACTS[settings.backend]
         if not artifact.is_file():
             fix = (f"capserve export onnx {path} -o {artifact}" if settings.backend == "onnxruntime"
@@ -87,11 +91,11 @@ def open_model(spec: str, settings: Settings) -> tuple[Runtime, Runtime | None, 
         runtime = load_runtime(artifact, settings.backend, settings.device, **lone_request_options(settings))
         _, runtime.precision_reason = resolve_precision(settings.precision, settings.backend, settings.device)
         explainer = None
-        if (path / EXPLAIN_ARTIFACT).is_file():
+        if explain and (path / EXPLAIN_ARTIFACT).is_file():
             explainer = load_runtime(path / EXPLAIN_ARTIFACT, "onnxruntime", settings.device,
                                      threads=settings.threads or 0)  # fmt: skip
             explainer.precision_reason = runtime.precision_reason
-        elif has_routing(runtime):
+        elif explain and has_routing(runtime):
             log.warning("%s has no %s: /explain is off (run `capserve export onnx %s -o %s --explain`)", path,
                         EXPLAIN_ARTIFACT, path, path / EXPLAIN_ARTIFACT)  # fmt: skip
         return runtime, explainer, source
@@ -101,3 +105,37 @@ def open_model(spec: str, settings: Settings) -> tuple[Runtime, Runtime | None, 
         if isinstance(e, PrecisionError):
             raise ConfigurationError(f"CAPSERVE_PRECISION={settings.precision}: {e}") from e
         raise ConfigurationError(f"cannot load the model in {path} with the {settings.backend} backend: {e}") from e
+
+
+def _open_file(path: Path, settings: Settings) -> Runtime:
+    """An exported artifact given as a file (``model.onnx``, ``model.plan``): the backend must be the one it is for."""
+    wanted = ARTIFACTS.get(settings.backend)
+    if wanted is None or path.suffix != Path(wanted).suffix:
+        kinds = ", ".join(f"{Path(a).suffix} ({b})" for b, a in ARTIFACTS.items())
+        raise ConfigurationError(f"model {str(path)!r} is a file, which the {settings.backend} backend cannot serve: "
+                                 f"give a {kinds} file with its backend, or a model directory")  # fmt: skip
+    try:
+        runtime = load_runtime(path, settings.backend, settings.device, **lone_request_options(settings))
+        _, runtime.precision_reason = resolve_precision(settings.precision, settings.backend, settings.device)
+    except (RuntimeLoadError, ValueError) as e:
+        if isinstance(e, ConfigurationError):
+            raise
+        raise ConfigurationError(f"cannot load {path} with the {settings.backend} backend: {e}") from e
+    return runtime
+
+
+def _file_explainer(path: Path, settings: Settings, runtime: Runtime) -> Runtime | None:
+    """The explanation graph exported next to an artifact file (``NAME-explain.onnx`` beside ``NAME.onnx``), when it
+    was exported from the same weights; else None (/explain off)."""
+    sibling = path.with_name(f"{path.stem}-explain.onnx")
+    if not sibling.is_file() or not has_routing(runtime):
+        return None
+    try:
+        explainer = load_runtime(sibling, "onnxruntime", settings.device)
+    except (RuntimeLoadError, ValueError) as e:
+        raise ConfigurationError(f"cannot load the explanation graph {sibling}: {e}") from e
+    if explainer.metadata.weights_sha256 != runtime.metadata.weights_sha256:
+        log.warning("%s was exported from other weights than %s: /explain is off", sibling, path)
+        return None
+    explainer.precision_reason = runtime.precision_reason
+    return explainer

@@ -13,7 +13,7 @@ from capserve.configs import get_config, list_models
 from capserve.data.splits import parse_val_size
 from capserve.train.config import AMP, OPTIMIZERS, SCHEDULES, TrainConfig, read_resume_config
 from capserve.train.loop import train
-from capserve.train.state import init_architecture
+from capserve.train.state import init_architecture, parse_label_map
 
 # ------------------------------------------------------------------------------------------------- CLI
 
@@ -45,8 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--init",
         metavar="MODEL_DIR",
         help="fine-tune: start from this model folder's weights (every "
-        "tensor whose shape matches; the class layer starts afresh when the labels differ)",
+        "tensor whose shape matches; in the class layer, every label it also has keeps its class capsule, and only "
+        "new labels start afresh)",
     )
+    p.add_argument("--label-map", action="append", metavar="OLD=NEW", help="with --init: the --init model's label "
+                   "OLD is called NEW in your data, and keeps what it learnt (repeat for more)")  # fmt: skip
+    p.add_argument("--name", help="the model's name in served answers and exports (default: the --out folder's name)")
+    p.add_argument("--label-separator", metavar="SEP", help="a CSV's labels column: labels separated by SEP (e.g. ';' "
+                   "or '|', for label names with spaces; default: spaces)")  # fmt: skip
     p.add_argument("--out", help="output folder (checkpoints, metrics, plot)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model config override (JSON)")
     p.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR (its last/ checkpoint)")
@@ -99,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
                           channels_last=args.channels_last, time_budget=args.time_budget, max_steps=args.max_steps,
                           grad_clip=args.grad_clip, val_size=args.val_size, epoch_size=args.epoch_size,
                           seed=args.seed, eval_batch_size=args.eval_batch_size, test=not args.no_test,
-                          device=args.device, image_size=args.image_size, init=args.init)  # fmt: skip
+                          device=args.device, image_size=args.image_size, init=args.init,
+                          label_map=parse_label_map(args.label_map), name=args.name,
+                          label_separator=args.label_separator)  # fmt: skip
         get_config(cfg.model, **cfg.overrides)  # fail early on a bad --set
     if resume:  # a step limit applies to one invocation, never to the resumed one
         cfg = dataclasses.replace(cfg, max_steps=args.max_steps)

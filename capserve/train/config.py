@@ -62,6 +62,9 @@ class TrainConfig:
     device: str = "auto"
     image_size: int | None = None  # own images: the model's input size (default: the config's)
     init: str | None = None  # a model folder to fine-tune from (shape-matching tensors are loaded)
+    label_map: dict[str, str] = field(default_factory=dict)  # --init: its labels renamed in the data {OLD: NEW}
+    label_separator: str | None = None  # a CSV's labels column: split on this (None: on spaces)
+    name: str | None = None  # the model's name in served answers and exports (None: the --out folder's name)
 
     def __post_init__(self) -> None:
         if self.model not in list_models():
@@ -83,6 +86,10 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.label_map and not self.init:
+            raise ValueError("--label-map renames labels of the --init model: give --init MODEL_DIR too")
+        if self.name is not None and not self.name.strip():
+            raise ValueError("--name must not be empty")
         if self.time_budget is not None and self.time_budget <= 0:
             raise ValueError(f"--time-budget must be positive seconds, got {self.time_budget}")
 

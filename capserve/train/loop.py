@@ -53,6 +53,7 @@ from capserve.data.own import (
     InputSize,
     Manifest,
     build_cache,
+    check_data_exists,
     check_training,
     is_own_data,
     scan,
@@ -157,7 +158,9 @@ def build_model(cfg: TrainConfig, manifest: Manifest | None = None) -> Model:
                                      image_size=cfg.image_size or config.image_size)  # fmt: skip
         data = {"dataset": manifest.kind, "source": str(manifest.source), "val_size": val_size}
     torch.manual_seed(cfg.seed)
-    return model_from_config(dataclasses.replace(config, extra={**config.extra, "data": data}))
+    # served answers and exports carry the run's name: two fine-tunes of one config can be told apart
+    name = cfg.name or Path(cfg.out).name
+    return model_from_config(dataclasses.replace(config, extra={**config.extra, "data": data, "name": name}))
 
 
 def load_own_training(manifest: Manifest, model: Model, out: Path, d: Dist,
@@ -227,17 +230,20 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         torch.set_float32_matmul_precision("high")
+    check_data_exists(cfg.data)  # before the run folder exists: a typo leaves nothing behind
     out = Path(cfg.out)
     manifest = None
     if is_own_data(cfg.data):
-        manifest = scan(cfg.data)
+        manifest = scan(cfg.data, cfg.label_separator)
         check_training(manifest)
         manifest, carved = with_validation(manifest, val_size_of(cfg, own=True))
         if carved:
             log.info("validation: %d images carved from %s's training images (seed 0)", carved, manifest.source)
+    elif cfg.label_separator is not None:
+        raise ValueError(f"--label-separator is for a CSV of your own images; {cfg.data} holds built-in dataset files")
     model = build_model(cfg, manifest)
     dataset = model.config.extra["data"]["dataset"]
-    init = init_from(model, cfg.init) if cfg.init and resume is None else None
+    init = init_from(model, cfg.init, cfg.label_map) if cfg.init and resume is None else None
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
     skipped, test_split = 0, None
@@ -405,7 +411,8 @@ def finish(run: Run) -> dict[str, Any]:
     if run.manifest is not None:
         summary.update(labels=list(c.labels), task=c.task, skipped_images=run.skipped)
     if run.init is not None:
-        summary["init"] = {"from": run.init["from"], "loaded": len(run.init["loaded"]), "new": run.init["new"]}
+        summary["init"] = {"from": run.init["from"], "loaded": len(run.init["loaded"]), "new": run.init["new"],
+                           "kept_labels": run.init["kept_labels"], "new_labels": run.init["new_labels"]}  # fmt: skip
     if data.val is None and d.main:
         log.warning("no validation split (--val-size 0): best/ is the epoch with the best training accuracy")
     if c.task == "multi_label" and data.val is not None and state["best_epoch"] is not None and d.main:

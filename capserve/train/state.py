@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 from capserve.configs import get_config, list_models
-from capserve.model.checkpoint import read_config, save_model
+from capserve.model.checkpoint import read_config, save_model, save_tensors
 from capserve.model.factory import Model
 from capserve.model.factory import load as load_model
 from capserve.train.config import TrainConfig
@@ -40,7 +40,7 @@ def _save_state(directory: Path, model: Model, opt: torch.optim.Optimizer, scale
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{i}"] = s
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    save_tensors(tensors, tmp / "optimizer.safetensors")
     trainer = {"train_config": dataclasses.asdict(cfg), "state": state, "param_groups": sd["param_groups"],
                "optimizer_scalars": meta, "scaler": scaler.state_dict() if scaler is not None else None}  # fmt: skip
     (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
@@ -79,33 +79,97 @@ def _provenance(cfg: TrainConfig, state: dict) -> dict:
             "epoch": state["epoch"], "step": state["step"]}  # fmt: skip
 
 
-def init_from(model: Model, directory: str | Path) -> dict[str, Any]:
+def parse_label_map(items: list[str] | None) -> dict[str, str]:
+    """``--label-map OLD=NEW`` (repeatable) → {OLD: NEW}; labels may hold spaces (the first ``=`` splits)."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        old, sep, new = item.partition("=")
+        old, new = old.strip(), new.strip()
+        if not sep or not old or not new:
+            raise ValueError(f"--label-map takes OLD=NEW (a label of the --init model, then its name in your data), "
+                             f"got {item!r}")  # fmt: skip
+        if old in out:
+            raise ValueError(f"--label-map names {old!r} twice")
+        out[old] = new
+    return out
+
+
+def _class_dim(leaf: str, routing: bool) -> int | None:
+    """The dimension of a class-layer tensor that indexes the classes (None: shared by every class).
+
+    Class capsules: ``weight`` (N, J, X, Y) and EM's ``beta_v``/``beta_a`` (J,); their LayerNorm acts on each pose
+    and is shared. A CNN's classifier: ``weight`` (C, F) and ``bias`` (C,)."""
+    if not routing:
+        return 0
+    return {"weight": 1, "beta_v": 0, "beta_a": 0}.get(leaf)
+
+
+def init_from(model: Model, directory: str | Path, label_map: dict[str, str] | None = None) -> dict[str, Any]:
     """Load every tensor of the model folder ``directory`` whose name and shape match ``model``'s (fine-tuning).
 
-    The class layer (class capsules, or a CNN's classifier) starts afresh when the labels differ, even where its
-    shapes happen to match.
-    Returns ``{"from", "loaded", "new"}`` with the tensor names.
+    In the class layer (class capsules, or a CNN's classifier), each class whose label the source model also has
+    keeps its trained slice, wherever it sits; only labels new to it start afresh. ``label_map`` renames source
+    labels first ({OLD: NEW}: a class renamed in the data keeps what it learnt).
+    Returns ``{"from", "loaded", "new", "partial", "kept_labels", "new_labels"}``: tensor names loaded whole, left
+    as initialised, and loaded for the kept classes only; the labels that kept their class capsules, and the rest.
     """
     directory = Path(directory)
     source_model = load_model(directory)  # a clear CheckpointError for a folder that is not a model
     source, weights = source_model.config, source_model.state_dict()
+    label_map = dict(label_map or {})
+    unknown = [old for old in label_map if old not in source.labels]
+    if unknown:
+        raise ValueError(f"--label-map: {', '.join(map(repr, unknown))} is not a label of {directory} (its labels: "
+                         f"{', '.join(source.labels)})")  # fmt: skip
+    absent = [new for new in label_map.values() if new not in model.config.labels]
+    if absent:
+        raise ValueError(f"--label-map: {', '.join(map(repr, absent))} is not a label of your data (its labels: "
+                         f"{', '.join(model.config.labels)})")  # fmt: skip
+    renamed = [label_map.get(label, label) for label in source.labels]
+    clash = sorted({label for label in renamed if renamed.count(label) > 1})
+    if clash:
+        raise ValueError(f"--label-map gives two classes of {directory} the label {', '.join(map(repr, clash))}")
+    # target class j ← source class i, for every label both models have (after the renames)
+    pairs = [(j, renamed.index(label)) for j, label in enumerate(model.config.labels) if label in renamed]
+    routing = model.config.has_routing
     # the layer whose outputs are the classes: the class capsules, or a CNN's linear classifier
-    class_layer = f"capsules.{len(model.capsules) - 1}." if model.config.has_routing else "classifier."
-    relabelled = tuple(source.labels) != tuple(model.config.labels)
-    loaded, new = {}, []
+    class_layer = f"capsules.{len(model.capsules) - 1}." if routing else "classifier."
+    same_classes = renamed == list(model.config.labels)
+    loaded, partial, new = {}, [], []
     for name, tensor in model.state_dict().items():
         match = weights.get(name)
-        if match is not None and match.shape == tensor.shape and not (relabelled and name.startswith(class_layer)):
-            loaded[name] = match
+        dim = _class_dim(name[len(class_layer) :], routing) if name.startswith(class_layer) else None
+        if match is None:
+            new.append(name)
+        elif dim is None or same_classes:
+            if match.shape == tensor.shape:
+                loaded[name] = match
+            else:
+                new.append(name)
+        elif pairs and _drop(match.shape, dim) == _drop(tensor.shape, dim):
+            merged = tensor.detach().clone()  # the new classes keep their fresh initialisation
+            for j, i in pairs:
+                merged.select(dim, j).copy_(match.select(dim, i))
+            loaded[name] = merged
+            partial.append(name)
         else:
             new.append(name)
     model.load_state_dict(loaded, strict=False)
     values = sum(t.numel() for t in loaded.values())
+    kept = [model.config.labels[j] for j, _ in pairs] if partial or same_classes else []
+    fresh = [label for label in model.config.labels if label not in kept]
     log.info("--init %s (%s): loaded %d tensors (%s values), new %d%s", directory, source.name, len(loaded),
              f"{values:,}", len(new), f": {', '.join(new)}" if new else "")  # fmt: skip
-    if relabelled:
-        log.info("labels differ from %s's: the class layer (%s*) starts afresh", directory, class_layer)
-    return {"from": str(directory), "loaded": sorted(loaded), "new": new}
+    if not same_classes:
+        log.info("class layer (%s*): %d labels keep what %s learnt%s; %d start afresh%s", class_layer, len(kept),
+                 directory, f" ({', '.join(kept)})" if kept else "", len(fresh),
+                 f" ({', '.join(fresh)})" if fresh else "")  # fmt: skip
+    return {"from": str(directory), "loaded": sorted(set(loaded) - set(partial)), "new": new, "partial": partial,
+            "kept_labels": kept, "new_labels": fresh}  # fmt: skip
+
+
+def _drop(shape: torch.Size, dim: int) -> tuple[int, ...]:
+    return tuple(n for k, n in enumerate(shape) if k != dim)
 
 
 def init_architecture(directory: str | Path) -> tuple[str, dict[str, Any]]:

@@ -24,6 +24,7 @@ from capserve.cli import main
 from capserve.data.images import load_image, preprocess
 from capserve.data.own import CACHE_FILE, InputSize, Sample, build_cache, carve, scan
 from capserve.errors import DataError
+from capserve.runtime.metadata import ModelMetadata
 from capserve.train.config import TrainConfig
 from capserve.train.loop import train
 from capserve.train.state import init_from
@@ -255,6 +256,12 @@ def test_training_on_a_folder(run, folder):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] and "val_acc" in rows[0]
     assert (out / CACHE_FILE).is_file()
+    # served answers name the run, not only its config: two fine-tunes of one config can be told apart
+    assert c.extra["name"] == "mine" and ModelMetadata.from_config(c).name == "mine"
+    mask = os.umask(0)
+    os.umask(mask)
+    for weights in (out / "best" / "model.safetensors", out / "last" / "model.safetensors"):
+        assert weights.stat().st_mode & 0o777 == 0o666 & ~mask == (out / "best" / "config.json").stat().st_mode & 0o777
 
 
 def test_resume_reuses_the_cache(run, caplog):
@@ -280,15 +287,67 @@ def test_evaluate_json_and_confusion_png(run, folder, tmp_path, capsys):
     assert report["images"] == 12 and report["labels"] == list(LABELS) and report["split"] == "test"
     m = report["results"]["2"]
     assert set(m) >= {"top1", "top3", "precision", "recall", "f1", "support", "confusion", "macro_f1"}
-    assert m["support"] == [4, 4, 4] and sum(map(sum, m["confusion"])) == 12
+    # per-label figures keyed by label name (bare lists made a script guess the label order)
+    assert m["support"] == dict.fromkeys(LABELS, 4) and sum(map(sum, m["confusion"])) == 12
+    assert list(m["f1"]) == list(LABELS) and list(m["precision"]) == list(m["recall"]) == list(LABELS)
     assert Image.open(tmp_path / "ev" / "confusion.png").size[0] > 100
-    assert json.loads((tmp_path / "ev" / "evaluation.json").read_text())["results"]["1"]["support"] == [4, 4, 4]
+    saved = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
+    assert saved["results"]["1"]["support"] == dict.fromkeys(LABELS, 4)
     assert main(["evaluate", str(out / "best"), "--data", str(folder), "--split", "val", "--iterations", "2"]) == 0
     text = capsys.readouterr().out
     assert "grüne Wiese" in text and "precision" in text and "(6 images" in text  # the carved validation split
     bare = write_folder(tmp_path / "unseen", train=2)  # a plain folder: every image is evaluated
     assert main(["evaluate", str(out / "best"), "--data", str(bare), "--iterations", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["images"] == 6
+
+
+def test_evaluate_a_folder_with_only_test_images(run, folder, tmp_path, capsys):
+    """A test-only folder is the normal thing to evaluate; it was refused for having no train/ folder."""
+    out, _ = run
+    only = tmp_path / "only"
+    (only / "test").mkdir(parents=True)
+    for label in LABELS:
+        (only / "test" / label).symlink_to(folder / "test" / label)
+    assert main(["evaluate", str(out / "best"), "--data", str(only), "--iterations", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["images"] == 12 and report["results"]["2"]["support"] == dict.fromkeys(LABELS, 4)
+    code = main(["train", "--model", "cifar10-simple", "--data", str(only), "--out", str(tmp_path / "r")])
+    assert code == 2 and "has a val/ or test/ folder but no train/ folder" in capsys.readouterr().err  # training
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate"])
+def test_a_data_path_that_does_not_exist_says_so_and_writes_nothing(run, tmp_path, capsys, monkeypatch, command):
+    """A typo in --data answered with a CIFAR-10 download link and left an empty run folder behind."""
+    out, _ = run
+    monkeypatch.chdir(tmp_path)
+    argv = (["train", "--model", "cifar10-simple", "--out", "runs/new"] if command == "train"
+            else ["evaluate", str(out / "best"), "--out", "runs/new"])  # fmt: skip
+    assert main([*argv, "--data", "mydat"]) == 2
+    err = capsys.readouterr().err
+    assert "--data mydat: no such file or folder" in err and "cifar" not in err.lower().split("or the folder")[0]
+    assert "https://" not in err and "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
+def test_csv_labels_with_a_separator(tmp_path, capsys):
+    """Label names with spaces in a CSV: ``--label-separator`` (the default split on spaces cut them in two)."""
+    names = ("red fox", "blue whale")
+    (tmp_path / "img").mkdir()
+    rows = []
+    for i in range(16):
+        (tmp_path / "img" / f"{i}.png").write_bytes(picture(names[i % 2], i))
+        rows.append((f"img/{i}.png", "red fox; blue whale" if i % 4 == 0 else names[i % 2], "test" if i > 13 else ""))
+    csv_path = write_csv(tmp_path, rows)
+    manifest = scan(csv_path, ";")
+    assert manifest.labels == ("blue whale", "red fox") and manifest.splits["train"][0].labels == names
+    assert "fox;" in scan(csv_path).labels  # without it: words
+    summary = train(config(csv_path, tmp_path / "ml", model="multimnist-matrix-small", epochs=1, val_size=2,
+                           label_separator=";"))  # fmt: skip
+    assert capserve.read_config(tmp_path / "ml" / "best").labels == ("blue whale", "red fox") and summary
+    assert main(["evaluate", str(tmp_path / "ml" / "best"), "--data", str(csv_path), "--label-separator", ";",
+                 "--iterations", "2", "--json"]) == 0  # fmt: skip
+    assert list(json.loads(capsys.readouterr().out)["results"]["2"]["f1"]) == ["blue whale", "red fox"]
+    with pytest.raises(DataError, match="--label-separator is for a CSV"):
+        scan(tmp_path / "img", ";")
 
 
 def test_multi_label_csv_trains_calibrates_and_evaluates(tmp_path, capsys):
@@ -301,6 +360,57 @@ def test_multi_label_csv_trains_calibrates_and_evaluates(tmp_path, capsys):
                  "--json"]) == 0  # fmt: skip
     report = json.loads(capsys.readouterr().out)
     assert report["images"] == 6 and set(report["results"]["2"]) == {"exact_match", "f1", "macro_f1", "ranked_recall"}
+
+
+def test_fine_tuning_keeps_the_class_capsules_of_matching_labels(run, caplog):
+    """One label of the data new (or renamed): the other labels keep what they learnt, wherever they now sit.
+    The whole class layer started afresh before (CIFAR-10 at 64x64 with one label renamed: 82.6 % vs 89.2 %)."""
+    out, _ = run
+    source = capserve.load(out / "best").state_dict()
+    weight = f"capsules.{len(capserve.load(out / 'best').capsules) - 1}.weight"  # (N, J, X, Y): J the classes
+    kw = dict(**tiny_overrides("cifar10-simple"), image_size=SIZE)
+    target = capserve.create_model("cifar10-simple", **kw, labels=("blue whale", "red fox", "zebra"))
+    fresh = target.state_dict()[weight].clone()
+    with caplog.at_level(logging.INFO):
+        report = init_from(target, out / "best")
+    assert report["kept_labels"] == ["blue whale", "red fox"] and report["new_labels"] == ["zebra"]
+    assert weight in report["partial"] and not any(k.startswith(weight.rsplit(".", 1)[0]) for k in report["new"])
+    got = target.state_dict()[weight]
+    for j, label in enumerate(("blue whale", "red fox")):
+        assert torch.equal(got[:, j], source[weight][:, LABELS.index(label)])
+    assert torch.equal(got[:, 2], fresh[:, 2])  # the new label starts afresh
+    assert "1 start afresh (zebra)" in caplog.text
+
+    renamed = capserve.create_model("cifar10-simple", **kw, labels=("blue whale", "fox", "grüne Wiese"))
+    report = init_from(renamed, out / "best", {"red fox": "fox"})
+    assert report["new_labels"] == [] and report["kept_labels"] == ["blue whale", "fox", "grüne Wiese"]
+    got = renamed.state_dict()[weight]
+    for j, old in enumerate(("blue whale", "red fox", "grüne Wiese")):  # the renamed class moved: 2 → 1
+        assert torch.equal(got[:, j], source[weight][:, LABELS.index(old)])
+    without = capserve.create_model("cifar10-simple", **kw, labels=("blue whale", "fox", "grüne Wiese"))
+    assert init_from(without, out / "best")["new_labels"] == ["fox"]
+    for bad, message in [({"red wolf": "fox"}, "'red wolf' is not a label of"),
+                         ({"red fox": "wolf"}, "'wolf' is not a label of your data"),
+                         ({"red fox": "blue whale"}, "two classes")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            init_from(capserve.create_model("cifar10-simple", **kw, labels=("blue whale", "fox", "grüne Wiese")),
+                      out / "best", bad)  # fmt: skip
+
+
+def test_label_map_on_the_command_line(run, tmp_path, capsys):
+    out, _ = run
+    data = write_folder(tmp_path / "renamed", train=4)
+    (data / "red fox").rename(data / "fox")
+    code = main(["train", "--init", str(out / "best"), "--data", str(data), "--out", str(tmp_path / "ft"),
+                 "--label-map", "red fox=fox", "--epochs", "1", "--batch-size", "4", "--val-size", "3", "--no-test",
+                 "--name", "foxes"])  # fmt: skip
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["init"]["new_labels"] == [] and "fox" in summary["init"]["kept_labels"]
+    assert ModelMetadata.from_config(capserve.read_config(tmp_path / "ft" / "best")).name == "foxes"
+    assert main(["train", "--model", "cifar10-simple", "--data", str(data), "--out", str(tmp_path / "x"),
+                 "--label-map", "a=b"]) == 2  # fmt: skip
+    assert "give --init MODEL_DIR too" in capsys.readouterr().err
 
 
 def test_fine_tuning_loads_matching_tensors(run, tmp_path):

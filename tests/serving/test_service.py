@@ -596,6 +596,13 @@ def test_corrupt_model_fails_startup(models, tmp_path):
     assert "is not a loadable ONNX model" in failed_start(tmp_path, CAPSERVE_MODEL=str(broken))
 
 
+def test_a_model_that_does_not_exist_stops_the_server_in_one_line(tmp_path):
+    """It said so in one CRITICAL line, buried in 66 lines with two full tracebacks of the same message."""
+    log = failed_start(tmp_path, CAPSERVE_MODEL="runs/nosuch")
+    assert "Traceback" not in log and log.count("runs/nosuch") == 1, log
+    assert "is neither a directory" in next(line for line in log.splitlines() if "capserve cannot start" in line)
+
+
 def test_missing_artifact_fails_startup(models, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -738,6 +745,32 @@ def test_bentoml_build(store, bentofile, name, device):
     else:
         assert "onnxruntime-gpu" not in requirements and "onnxruntime" in requirements and "nvidia" not in dockerfile
     src = bento.parent / "src"
-    assert (src / "service.py").is_file() and (src / "capserve" / "serving" / "app.py").is_file()
+    assert (src / "service.py").is_file() and (src / "capserve" / "serving" / "service.py").is_file()
     assert (src / "capserve" / "export" / "onnx.py").is_file()  # the exporter ships inside the package
     assert not (bento.parent / "src" / "models").exists()  # models come from the store, not the source tree
+    if device == "cpu":
+        serve_the_built_bento(store, f"{name}:{bento.parent.name}")
+
+
+def serve_the_built_bento(store: Path, tag: str) -> None:
+    """``bentoml serve NAME:VERSION`` with no CAPSERVE_* set serves the models packed in it, with the bento's own
+    settings: they were not applied outside a container (it looked for models/cifar10 and exited with status 3)."""
+    from support.server import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPSERVE_")}
+    env.update(BENTOML_HOME=str(store / "bentoml"), BENTOML_DO_NOT_TRACK="True")
+    port = free_port()
+    log = store / f"bento-{port}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([BENTOML, "serve", tag, "--host", "127.0.0.1", "--port", str(port)], cwd=store,
+                                env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, log)
+        body = httpx.get(f"{url}/model", timeout=60).json()
+        assert body["single_label"]["tag"].startswith("capserve-cifar10:"), body
+        assert body["multi_label"]["tag"].startswith("capserve-multimnist:"), body
+        r = httpx.post(f"{url}/classify", content=GOOD, headers={"content-type": "image/png"}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        stop(proc)

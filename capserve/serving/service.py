@@ -1,0 +1,88 @@
+"""capserve over HTTP: a thin BentoML shell over ``capserve.serving.Capsules`` (settings, model loading, request
+logic and errors live there). ``bentoml serve capserve.serving.service:CapsuleService`` (anywhere capserve is
+installed), ``capserve serve``, or ``bentoml serve service:CapsuleService`` from the repository root; settings from
+``CAPSERVE_*`` environment variables (docs/serving.md).
+
+Importing this module prepares a server process (signal handlers, a Prometheus folder) and reads the settings: it is
+meant to be imported by ``bentoml serve``, not by library code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import bentoml
+import numpy as np
+from bentoml.validators import ContentType
+from pydantic import Field
+
+from capserve import serving
+from capserve.serving import Classification, Explained, MultiLabel
+from capserve.serving.settings import bento_environment
+
+# a file upload in the API (OpenAPI, clients); served as the bytes RequestGuard parsed (serving.guarded_upload)
+ImageFile = Annotated[Path, ContentType("image/*"), serving.GUARDED_UPLOAD]
+serving.prepare_server_process()  # exit status 3 when the model cannot load, own /metrics folder, quiet 4xx logs
+# read at import (the batching limits go into the API decorators); inside a built bento, its envs are the defaults
+SETTINGS = serving.settings_or_exit({**bento_environment(__file__), **os.environ})
+WORKERS = serving.workers_or_exit(SETTINGS)  # CAPSERVE_WORKERS: server processes, each with its share (serving.workers)
+BATCH = dict(batchable=True, max_batch_size=max(SETTINGS.max_batch_size, 2), max_latency_ms=SETTINGS.max_latency_ms)
+
+
+@bentoml.service(name="capserve", traffic={"timeout": 60}, workers=WORKERS, metrics={"enabled": True},
+                 logging={"access": {"enabled": SETTINGS.access_log}})  # fmt: skip
+class CapsuleService:
+    def __init__(self) -> None:
+        worker = serving.assign(SETTINGS, serving.current_index(), WORKERS)  # this process's GPU or cores
+        self.capsules = serving.Capsules(SETTINGS, worker=worker)  # loads, warms up; a failure: exit status 3
+        serving.freeze_startup_heap()  # the garbage collector then skips what start-up left (libraries, models)
+
+    def __is_ready__(self) -> bool:
+        return self.capsules.ready
+
+    @bentoml.api(**BATCH)
+    async def logits(self, images: np.ndarray) -> np.ndarray:
+        """Logits (B, classes) of the single-label model for uint8 pixels (B, C, H, W) in its input size."""
+        return await self.capsules.logits(images)
+
+    @bentoml.api(**BATCH)
+    async def multilabel_logits(self, images: np.ndarray) -> np.ndarray:
+        """Logits (B, classes) of the multi-label model for uint8 pixels (B, C, H, W) in its input size."""
+        return await self.capsules.logits(images, multilabel=True)
+
+    @bentoml.api
+    async def classify(self, image: ImageFile, top_k: Annotated[int, Field(ge=1, le=1000)] = 5) -> Classification:
+        """The top_k labels of one image, with softmax probabilities."""
+        return await self.capsules.classify(image, top_k)
+
+    @bentoml.api
+    async def classify_batch(
+        self, images: list[ImageFile], top_k: Annotated[int, Field(ge=1, le=1000)] = 5
+    ) -> list[Classification]:
+        """One result per image, in order (the images run as one batch)."""
+        return await self.capsules.classify_batch(images, top_k)
+
+    @bentoml.api
+    async def multilabel(
+        self, image: ImageFile, threshold: Annotated[float | None, Field(gt=0, lt=1)] = None
+    ) -> MultiLabel:
+        """Labels whose sigmoid probability passes the model's per-class thresholds, or ``threshold`` for all."""
+        return await self.capsules.multilabel(image, threshold)
+
+    @bentoml.api
+    async def explain(self, image: ImageFile, capsules: Annotated[int, Field(ge=1, le=1000)] = 10) -> Explained:
+        """The prediction and its part-whole parse: routing to the class, per capsule, vs uniform routing."""
+        return await self.capsules.explain(image, capsules)
+
+    @bentoml.api(route="/model")
+    def model(self) -> dict[str, Any]:
+        """The served models (store tags included), backend and providers in use, batching, limits, versions."""
+        return self.capsules.describe()
+
+
+CapsuleService.add_asgi_middleware(serving.RequestGuard, max_bytes=SETTINGS.max_bytes,
+                                   file_fields=serving.FILE_FIELDS, get_routes=("/model",),
+                                   unavailable=serving.unavailable_routes(SETTINGS),
+                                   list_fields=serving.LIST_FIELDS,
+                                   parameters=serving.route_parameters(CapsuleService.apis))  # fmt: skip
