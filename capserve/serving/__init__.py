@@ -32,7 +32,9 @@ from capserve.serving.guard import (  # noqa: F401
     error_message,
     guarded_upload,
     one_error_shape,
+    pixels_problem,
 )
+from capserve.serving.openapi import STATUS_REASONS, contract, openapi_3_0  # noqa: F401
 from capserve.serving.process import (  # noqa: F401
     FAILED_START_EXIT_CODE,
     FAILED_START_SIGNAL,
@@ -44,13 +46,26 @@ from capserve.serving.process import (  # noqa: F401
     untraced_without_exporter,
 )
 from capserve.serving.routes import (  # noqa: F401
+    ARRAY_ROUTES,
     FILE_FIELDS,
+    INPUT_SHAPES,
     LIST_FIELDS,
     MULTILABEL_ROUTES,
     NO_MULTILABEL_MODEL,
+    OPEN_ROUTES,
     route_parameters,
     unavailable_routes,
 )
-from capserve.serving.schemas import Capsule, Classification, Explained, Iterations, Label, MultiLabel  # noqa: F401
-from capserve.serving.settings import BACKENDS, Settings  # noqa: F401
+from capserve.serving.schemas import (  # noqa: F401
+    Capsule,
+    Classification,
+    ErrorBody,
+    Explained,
+    Iterations,
+    Label,
+    MultiLabel,
+    ServedModel,
+    ServerDescription,
+)
+from capserve.serving.settings import BACKENDS, Settings, api_keys  # noqa: F401
 from capserve.serving.sources import ARTIFACTS, EXPLAIN_ARTIFACT, STORE_TAG, ModelSource, open_model, resolve_model  # noqa: F401
