@@ -291,13 +291,16 @@ class RequestGuard:
         return parameters, images
 
 
+_JSON_TYPES = {dict: "object", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def pixels_problem(images: Any, shape: tuple[int, ...] | None) -> str | None:
     """Why ``images`` (a JSON value) is not uint8 pixels (B, C, H, W) with (C, H, W) = ``shape`` (None: any), or
     None when it is."""
     expected = f"(B, {', '.join(map(str, shape))})" if shape else "(B, C, H, W)"
     what = f"images must be integer pixels in [0, 255] of shape {expected}"
     if not isinstance(images, list):
-        return f"{what}, as nested JSON arrays; got a JSON {type(images).__name__}"
+        return f"{what}, as nested JSON arrays; got a JSON {_JSON_TYPES.get(type(images), type(images).__name__)}"
     try:
         pixels = np.asarray(images)  # (B, C, H, W)
     except (ValueError, TypeError, OverflowError, RecursionError):
