@@ -143,8 +143,9 @@ def contract(document: dict[str, Any], secured: bool, input_shapes: Mapping[str,
                                                                                 "items": logits}}}}  # fmt: skip
                 body = operation["requestBody"]["content"]["application/json"]["schema"]
                 body["properties"]["images"] = pixels_schema(input_shapes.get(path))
-                body["additionalProperties"] = False
             content = operation.get("requestBody", {}).get("content", {})
+            if "application/json" in content:  # RequestGuard refuses a name that is not a parameter of the route
+                content["application/json"]["schema"]["additionalProperties"] = False
             form = content.get("multipart/form-data")
             if form is not None:
                 for name, field in form["schema"]["properties"].items():
