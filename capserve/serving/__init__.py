@@ -35,7 +35,9 @@ from capserve.serving.guard import (  # noqa: F401
     error_message,
     guarded_upload,
     one_error_shape,
+    pixels_problem,
 )
+from capserve.serving.openapi import STATUS_REASONS, contract, openapi_3_0  # noqa: F401
 from capserve.serving.process import (  # noqa: F401
     FAILED_START_EXIT_CODE,
     FAILED_START_SIGNAL,
@@ -48,15 +50,28 @@ from capserve.serving.process import (  # noqa: F401
     workers_or_exit,
 )
 from capserve.serving.routes import (  # noqa: F401
+    ARRAY_ROUTES,
     FILE_FIELDS,
+    INPUT_SHAPES,
     LIST_FIELDS,
     MULTILABEL_ROUTES,
     NO_MULTILABEL_MODEL,
+    OPEN_ROUTES,
     route_parameters,
     unavailable_routes,
 )
-from capserve.serving.schemas import Capsule, Classification, Explained, Iterations, Label, MultiLabel  # noqa: F401
-from capserve.serving.settings import BACKENDS, Settings  # noqa: F401
+from capserve.serving.schemas import (  # noqa: F401
+    Capsule,
+    Classification,
+    ErrorBody,
+    Explained,
+    Iterations,
+    Label,
+    MultiLabel,
+    ServedModel,
+    ServerDescription,
+)
+from capserve.serving.settings import BACKENDS, Settings, api_keys  # noqa: F401
 from capserve.serving.sources import (  # noqa: F401
     ARTIFACTS,
     EXPLAIN_ARTIFACT,

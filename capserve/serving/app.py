@@ -33,7 +33,7 @@ from capserve.serving.batching import (
 from capserve.serving.explain import heatmap_png, selectivity, vs_uniform
 from capserve.serving.guard import _request_error
 from capserve.serving.process import leave_failed_worker, report_failed_start
-from capserve.serving.routes import NO_MULTILABEL_MODEL
+from capserve.serving.routes import ARRAY_ROUTES, INPUT_SHAPES, NO_MULTILABEL_MODEL
 from capserve.serving.schemas import Capsule, Classification, Explained, Label, MultiLabel
 from capserve.serving.settings import Settings
 from capserve.serving.sources import EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model
@@ -134,6 +134,16 @@ class Capsules:
                     self._batch_runtimes[multilabel] = batch_runtime(runtime, settings)
             self._pending = {False: 0, True: 0}  # multilabel → single-image requests decoding, queued or running
             self._warm_up()
+            for route, multilabel in ARRAY_ROUTES.items():
+                runtime = self.multilabel_runtime if multilabel else self.runtime
+                if runtime is not None:
+                    INPUT_SHAPES[route] = tuple(runtime.metadata.input_shape)  # (C, H, W): RequestGuard checks it
+            if settings.api_keys:
+                log.info("API keys: %d; every route but /livez, /readyz and /metrics needs 'Authorization: Bearer "
+                         "KEY'", len(settings.api_keys))  # fmt: skip
+            else:
+                log.warning("CAPSERVE_API_KEYS is not set: this server is open, every route answers anyone who can "
+                            "reach its port")  # fmt: skip
         except Exception as e:  # any failed start stops the server (exit 3); unexpected ones with their traceback
             log.critical("capserve cannot start: %s", e, exc_info=not isinstance(e, ConfigurationError))
             if report_failed_start() and isinstance(e, ConfigurationError):
@@ -363,10 +373,11 @@ class Capsules:
         def model(runtime: Runtime | None, source: ModelSource | None) -> dict[str, Any] | None:
             if runtime is None:
                 return None
+            # the model-store tag but not the folder it came from: a caller has no business with the host's paths
             return {**asdict(runtime.metadata), "input_shape": list(runtime.metadata.input_shape),
                     "backend": runtime.backend, "providers": list(runtime.providers), "precision": runtime.precision,
                     "precision_reason": runtime.precision_reason,
-                    "source": str(source.path) if source else None, "tag": source.tag if source else None}  # fmt: skip
+                    "tag": source.tag if source else None}  # fmt: skip
 
         import bentoml
 

@@ -4,6 +4,7 @@ checked (field names, media types, query parameters), and one JSON error shape `
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from collections.abc import Mapping
@@ -12,7 +13,11 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qsl
 
+import numpy as np
 from pydantic import WrapValidator
+
+from capserve.serving.openapi import contract_response
+from capserve.serving.routes import ARRAY_ROUTES, INPUT_SHAPES, OPEN_ROUTES
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +45,17 @@ class RequestGuard:
 
     def __init__(self, app: Any, max_bytes: int, file_fields: Mapping[str, str], get_routes: tuple[str, ...] = (),
                  unavailable: Mapping[str, str] | None = None, list_fields: frozenset[str] = frozenset(),
-                 parameters: Mapping[str, frozenset[str]] | None = None):  # fmt: skip
+                 parameters: Mapping[str, frozenset[str]] | None = None, api_keys: tuple[str, ...] = (),
+                 array_routes: Mapping[str, bool] = ARRAY_ROUTES,
+                 input_shapes: Mapping[str, tuple[int, ...]] = INPUT_SHAPES):  # fmt: skip
         self.app, self.max_bytes, self.file_fields, self.get_routes = app, max_bytes, dict(file_fields), get_routes
         self.unavailable = dict(unavailable or {})  # route → the 501 message (``unavailable_routes``)
         self.list_fields = list_fields  # file fields that take a list of images
         # route → its API's parameter names (``route_parameters``): any other name is a 400, not silently ignored
         self.parameters = dict(parameters or {})
+        self.api_keys = tuple(key.encode() for key in api_keys)  # empty: every route is open
+        # the pixel-tensor routes, and the (C, H, W) of their models once loaded (the same dict, filled later)
+        self.array_routes, self.input_shapes = array_routes, input_shapes
 
     @staticmethod
     def _body_once(body: bytes, then: Any = None) -> Any:
@@ -68,15 +78,26 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         _request_error.set({})
         send = one_error_shape(scope, send)
-        if scope["method"] == "GET" and scope["path"].rstrip("/") in self.get_routes:
+        path = scope["path"].rstrip("/") or "/"
+        if self.api_keys and path not in OPEN_ROUTES:
+            refused = self._unauthorized(scope["headers"])
+            if refused:
+                challenge = 'Bearer realm="capserve"' + (', error="invalid_token"' if "not valid" in refused else "")
+                return await self._reply(send, 401, refused, [(b"www-authenticate", challenge.encode())])
+        if scope["method"] == "GET" and path == "/docs.json":
+            # BentoML's document, completed into the contract this guard enforces (capserve.serving.openapi)
+            document = contract_response(send, secured=bool(self.api_keys), input_shapes=self.input_shapes,
+                                         max_bytes=self.max_bytes)  # fmt: skip
+            return await self.app(scope, receive, document)
+        if scope["method"] == "GET" and path in self.get_routes:
             # BentoML APIs answer POST only; a GET on a parameterless API is the same call with an empty JSON body
             headers = self._replace_headers(scope["headers"], "application/json", 2)
             scope, receive = {**scope, "method": "POST", "headers": headers}, self._body_once(b"{}", receive)
             return await self.app(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        if scope["path"].rstrip("/") in self.unavailable:
-            return await self._reply(send, 501, self.unavailable[scope["path"].rstrip("/")])
+        if path in self.unavailable:
+            return await self._reply(send, 501, self.unavailable[path])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             declared = int(headers.get("content-length", "0"))
@@ -84,8 +105,14 @@ class RequestGuard:
             return await self._reply(send, 400, "Content-Length is not an integer")
         if declared > self.max_bytes:
             return await self._reply(send, 413, self._too_large(declared))
-        field = self.file_fields.get(scope["path"].rstrip("/"))
-        if field is None and "content-length" in headers:
+        field = self.file_fields.get(path)
+        media = headers.get("content-type", "").split(";")[0].strip().lower()
+        json_route = field is None and path in self.parameters and scope["method"] == "POST"
+        if json_route and media not in ("application/json", ""):
+            # BentoML would parse a multipart body without a boundary (500) or a pickle (its own 415) here
+            return await self._reply(send, 415, f"Content-Type {media!r} is not accepted by {path}; send "
+                                                "Content-Type: application/json")  # fmt: skip
+        if field is None and not json_route and "content-length" in headers:
             return await self.app(scope, receive, send)  # within the limit: nothing to check or rewrite
         chunks, size = [], 0
         while True:
@@ -100,8 +127,15 @@ class RequestGuard:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        if json_route:
+            # checked here, before BentoML: a malformed tensor that reached its batcher failed every request batched
+            # with it (500), and so would one of another shape
+            body, problem = self._checked_json(path, body)
+            if problem:
+                return await self._reply(send, 400, problem)
+            headers_out = self._replace_headers(scope["headers"], "application/json", len(body))
+            return await self.app({**scope, "headers": headers_out}, self._body_once(body, receive), send)
         if field is not None:
-            media = headers.get("content-type", "").split(";")[0].strip().lower()
             if media.startswith("image/") or media == "application/octet-stream":
                 if not body:
                     return await self._reply(send, 400, "the request body is empty; send an image")
@@ -132,11 +166,11 @@ class RequestGuard:
                 return await self._reply(send, 415, f"Content-Type {media or '(none)'!r} is not accepted here; send "
                                                     f"multipart/form-data with the file field {field!r}, or a raw "
                                                     "image/* body")  # fmt: skip
-            known = self.parameters.get(scope["path"].rstrip("/"))
+            known = self.parameters.get(path)
             unknown = sorted(set(parameters) - known) if known is not None else []
             if unknown:
                 return await self._reply(send, 400, f"{', '.join(map(repr, unknown))}: not a parameter of "
-                                                    f"{scope['path'].rstrip('/')} (its parameters: "
+                                                    f"{path} (its parameters: "
                                                     f"{', '.join(sorted(known - {field}))})")  # fmt: skip
             uploads = {f"{UPLOAD_TOKEN}{i}": image for i, image in enumerate(images)}
             _uploads.set(uploads)
@@ -146,12 +180,56 @@ class RequestGuard:
             scope = {**scope, "headers": self._replace_headers(scope["headers"], "application/json", len(body))}
         return await self.app(scope, self._body_once(body, receive), send)
 
+    def _unauthorized(self, raw_headers: list) -> str | None:
+        """Why a request may not call this server (None: it sent one of the keys as ``Authorization: Bearer``).
+
+        Every key is compared, in constant time (``hmac.compare_digest``), so that neither the timing nor which key
+        matched tells a caller anything about the keys."""
+        sent = [v for k, v in raw_headers if k.lower() == b"authorization"]
+        if not sent:
+            return "this server needs an API key: send the header 'Authorization: Bearer KEY'"
+        scheme, _, token = sent[0].strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not token.strip():
+            return "the Authorization header must be 'Bearer KEY'"
+        token = token.strip()
+        matched = False
+        for key in self.api_keys:
+            matched |= hmac.compare_digest(token, key)
+        return None if matched else "the API key is not valid"
+
+    def _checked_json(self, path: str, body: bytes) -> tuple[bytes, str | None]:
+        """A JSON route's body (an empty one as ``{}``), or the reason it is refused: not a JSON object, a name that
+        is not a parameter of the route, or pixels that are not a uint8 (B, C, H, W) tensor of the model's shape."""
+        known = self.parameters.get(path, frozenset())
+        if not body.strip():
+            if not known:
+                return b"{}", None
+            return body, f"the request body is empty; send a JSON object with {', '.join(sorted(known))}"
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError) as e:
+            return body, f"the request body is not valid JSON: {e}"
+        if not isinstance(data, dict):
+            return body, f"the request body must be a JSON object (with {', '.join(sorted(known)) or 'no fields'})"
+        unknown = sorted(set(data) - known)
+        if unknown:
+            return body, (f"{', '.join(map(repr, unknown))}: not a parameter of {path} (its parameters: "
+                          f"{', '.join(sorted(known)) or 'none'})")  # fmt: skip
+        if path in self.array_routes:
+            if "images" not in data:
+                return body, "the JSON object has no 'images': send uint8 pixels (B, C, H, W) as nested arrays"
+            problem = pixels_problem(data["images"], self.input_shapes.get(path))
+            if problem:
+                return body, problem
+        return body, None
+
     def _too_large(self, size: int) -> str:
         return f"the request body is {size:,} bytes; the limit is {self.max_bytes:,} (CAPSERVE_MAX_BYTES)"
 
     @staticmethod
-    async def _reply(send: Any, status: int, message: str) -> None:
+    async def _reply(send: Any, status: int, message: str, headers: list | None = None) -> None:
         start, body = _json_response(status, message)
+        start["headers"] += headers or []
         await send(start)
         await send(body)
 
@@ -211,6 +289,33 @@ class RequestGuard:
         finally:
             await form.close()
         return parameters, images
+
+
+_JSON_TYPES = {dict: "object", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def pixels_problem(images: Any, shape: tuple[int, ...] | None) -> str | None:
+    """Why ``images`` (a JSON value) is not uint8 pixels (B, C, H, W) with (C, H, W) = ``shape`` (None: any), or
+    None when it is."""
+    expected = f"(B, {', '.join(map(str, shape))})" if shape else "(B, C, H, W)"
+    what = f"images must be integer pixels in [0, 255] of shape {expected}"
+    if not isinstance(images, list):
+        return f"{what}, as nested JSON arrays; got a JSON {_JSON_TYPES.get(type(images), type(images).__name__)}"
+    try:
+        pixels = np.asarray(images)  # (B, C, H, W)
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        return f"{what}; got nested arrays of different lengths"
+    if pixels.ndim != 4 or pixels.dtype == object:
+        return f"{what}; got {'ragged arrays' if pixels.dtype == object else f'{pixels.ndim} dimensions'}"
+    if pixels.size == 0:
+        return f"{what}; got shape {pixels.shape}, which holds no pixels"
+    if pixels.dtype.kind not in "iu":
+        return f"{what}; got {pixels.dtype} values"
+    if pixels.min() < 0 or pixels.max() > 255:
+        return f"{what}; got values in [{pixels.min()}, {pixels.max()}]"
+    if shape and pixels.shape[1:] != tuple(shape):
+        return f"{what}; got shape {pixels.shape}"
+    return None
 
 
 # The images of the current request, parsed by RequestGuard: token → bytes (the JSON BentoML receives names them).

@@ -36,3 +36,15 @@ FILE_FIELDS = {"/classify": "image", "/classify_batch": "images", "/multilabel":
 
 
 LIST_FIELDS = frozenset({"images"})  # file fields that take a list of images (the API's ``list[ImageFile]``)
+
+
+ARRAY_ROUTES = {"/logits": False, "/multilabel_logits": True}  # the pixel-tensor routes → multilabel
+
+
+# route → the (C, H, W) its model takes, filled in by ``Capsules`` once the models are loaded (in the worker process
+# that also runs ``RequestGuard``): pixel tensors are checked against it before they reach the batcher, and the
+# OpenAPI document states it
+INPUT_SHAPES: dict[str, tuple[int, ...]] = {}
+
+
+OPEN_ROUTES = ("/livez", "/readyz", "/metrics")  # answered without an API key: probes and Prometheus scrapes

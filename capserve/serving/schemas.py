@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 # ---------------------------------------------------------------------------- API results
 
@@ -51,3 +51,75 @@ class Explained(BaseModel):
     capsules: list[Capsule] = Field(description="the most strongly routed capsules, strongest first")
     heatmap_png: str = Field(description="base64 PNG: the grid vs uniform on a fixed log scale (1/4× blue, uniform "
                                          "pale, 4× red) over the input")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- GET /model
+
+
+class ServedModel(BaseModel):
+    """One served model: its metadata (``capserve.runtime.ModelMetadata``) and how it runs; no host paths."""
+
+    model_config = ConfigDict(extra="forbid")  # the document lists every field: a new one must be added here
+
+    name: str
+    task: str
+    labels: list[str]
+    in_channels: int
+    image_size: int
+    mean: list[float]
+    std: list[float]
+    iterations: int | None
+    thresholds: list[float] | None
+    capserve_version: str
+    weights_sha256: str
+    input_shape: list[int] = Field(description="(C, H, W) of the pixels /logits and /multilabel_logits take")
+    backend: str
+    providers: list[str]
+    precision: str
+    precision_reason: str | None
+    tag: str | None = Field(description="the BentoML model-store tag it was loaded from; null: a directory")
+
+
+class Batching(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool
+    max_batch_size: int
+    max_latency_ms: int
+    batches_in_flight: int
+
+
+class Limits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_bytes: int
+    max_pixels: int
+    max_images: int
+
+
+class Versions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    capserve: str
+    bentoml: str
+
+
+class ServerDescription(BaseModel):
+    """``GET /model``: what the server runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    single_label: ServedModel
+    multi_label: ServedModel | None
+    explain: ServedModel | None
+    batching: Batching
+    limits: Limits
+    versions: Versions
+
+
+class ErrorBody(BaseModel):
+    """Every error answer, whatever its status."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    error: str = Field(description="what was wrong with the request, and how to fix it; one line")

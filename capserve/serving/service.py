@@ -85,4 +85,5 @@ CapsuleService.add_asgi_middleware(serving.RequestGuard, max_bytes=SETTINGS.max_
                                    file_fields=serving.FILE_FIELDS, get_routes=("/model",),
                                    unavailable=serving.unavailable_routes(SETTINGS),
                                    list_fields=serving.LIST_FIELDS,
-                                   parameters=serving.route_parameters(CapsuleService.apis))  # fmt: skip
+                                   parameters=serving.route_parameters(CapsuleService.apis),
+                                   api_keys=SETTINGS.api_keys)  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from capserve.data.images import DEFAULT_MAX_PIXELS
@@ -53,6 +53,8 @@ class Settings:
     workers: int | None = DEFAULT_WORKERS  # server processes (capserve.serving.workers); None: "auto"
     threads: int | None = None  # intra-op threads per worker; None: the worker's share of the cores
     access_log: bool = False  # BentoML's access log line per request (~0.6 ms of the event loop each: off)
+    # the keys a caller may send as ``Authorization: Bearer KEY``; empty: the server is open (repr=False: never logged)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -77,6 +79,7 @@ class Settings:
             access_log=_flag(env, "CAPSERVE_ACCESS_LOG", d.access_log),
             workers=_workers(env, d.workers),
             threads=_int(env, "CAPSERVE_THREADS", None, 1),
+            api_keys=api_keys(env.get("CAPSERVE_API_KEYS", "")),
         )
         if settings.precision not in PRECISIONS:
             raise ConfigurationError(f"CAPSERVE_PRECISION={settings.precision!r}; choose one of: "
@@ -143,3 +146,37 @@ def _fraction(env: Mapping[str, str], name: str, default: float) -> float:
     if not 0 <= value <= 1:
         raise ConfigurationError(f"{name}={value} must be in [0, 1]")
     return value
+
+
+API_KEYS_FORMAT = ("CAPSERVE_API_KEYS: one or more keys separated by commas, or @FILE for a file with one key a line "
+                   "(blank lines and lines starting with # are skipped)")  # fmt: skip
+
+
+def api_keys(text: str) -> tuple[str, ...]:
+    """``CAPSERVE_API_KEYS``'s value → the keys: ``KEY[,KEY...]``, or ``@FILE`` (one key a line). Empty: no keys.
+
+    A file is named with ``@`` (as curl does) rather than guessed from the value, so that a mistyped path is an
+    error instead of a key. Messages never quote a key."""
+    text = text.strip()
+    if not text:
+        return ()
+    if text.startswith("@"):
+        path = Path(text[1:]).expanduser()
+        try:
+            lines = path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigurationError(f"CAPSERVE_API_KEYS={text}: cannot read the key file ({e})") from None
+        keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        where = f"the key file {path}"
+    else:
+        keys = [key.strip() for key in text.split(",") if key.strip()]
+        where = "CAPSERVE_API_KEYS"
+    if not keys:
+        raise ConfigurationError(f"{where} holds no key; {API_KEYS_FORMAT}")
+    for i, key in enumerate(keys):
+        # a bearer token is visible ASCII without spaces (RFC 6750); anything else could never be sent
+        if not all(33 <= ord(c) <= 126 for c in key) or len(key) < 8:
+            raise ConfigurationError(f"{where}: key {i + 1} has {len(key)} characters or some that are not visible "
+                                     "ASCII; a key is at least 8 visible ASCII characters without spaces (e.g. "
+                                     "python -c 'import secrets; print(secrets.token_urlsafe(32))')")  # fmt: skip
+    return tuple(dict.fromkeys(keys))

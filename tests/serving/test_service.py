@@ -427,6 +427,9 @@ BYTES, PIXEL_LIMIT, IMAGE_COUNT, MEDIA, SMALL = (
 )  # fmt: skip
 
 
+METHOD = "a method the route"
+
+
 BAD_INPUTS = {
     "empty-raw-body": (EMPTY, "/classify", dict(content=b"", headers={"content-type": "image/png"})),
     "empty-no-content-type": (EMPTY, "/classify", dict(content=b"")),
@@ -477,6 +480,14 @@ BAD_INPUTS = {
     "logits-float": (PIXELS, "/logits", dict(json={"images": [[[[0.5] * 32] * 32] * 3]})),
     "logits-shape": (PIXELS, "/logits", dict(json={"images": [[[[1] * 8] * 8] * 3]})),
     "logits-range": (PIXELS, "/logits", dict(json={"images": [[[[300] * 32] * 32] * 3]})),
+    # the fuzzer's finds: a 0-d array reached BentoML's batcher (500), a boundary-less multipart body starlette (500)
+    "logits-object": (PIXELS, "/logits", dict(json={"images": {}})),
+    "multilabel-logits-empty": (PIXELS, "/multilabel_logits", dict(json={"images": []})),
+    "logits-scalars": (PIXELS, "/logits", dict(json={"images": [0]})),
+    "logits-not-json": (PIXELS, "/logits", dict(content=b"{images", headers={"content-type": "application/json"})),
+    "model-multipart-no-boundary": (MEDIA, "/model", dict(content=b"{}", headers={"content-type": MULTIPART[:19]})),
+    "logits-form": (MEDIA, "/logits", dict(data={"images": "[[[[0]]]]"})),
+    "post-on-readyz": (METHOD, "/readyz", dict(content=b"{}")),
 }  # fmt: skip
 
 
@@ -497,7 +508,9 @@ def readme_row(prefix: str) -> tuple[str, int]:
 
 
 def test_every_readme_error_row_is_tested():
-    tested = {readme_row(prefix)[0] for prefix, *_ in BAD_INPUTS.values()} | {readme_row(p)[0] for p in SERVER_ROWS}
+    tested = {readme_row(prefix)[0] for prefix, *_ in BAD_INPUTS.values()} | {
+        readme_row(p)[0] for p in (*SERVER_ROWS, *KEY_ROWS)
+    }
     assert tested == set(readme_errors()), set(readme_errors()) - tested
 
 
@@ -535,6 +548,13 @@ def test_odd_but_valid_input_is_served(server, eager, data, content_type):
 
 
 SERVER_ROWS = ("an endpoint whose model", "a request queued")  # README rows the second server below tests
+
+
+KEY_ROWS = ("no `Authorization",)  # README rows tests/serving/test_contract.py tests (its server has API keys)
+
+
+def test_an_open_server_says_so_once_at_start_up(server_log):
+    assert server_log.read_text().count("CAPSERVE_API_KEYS is not set: this server is open") == 1
 
 
 def test_a_second_server_keeps_the_first_ones_metrics_and_answers_501_and_503(server, models):
@@ -774,3 +794,23 @@ def serve_the_built_bento(store: Path, tag: str) -> None:
         assert r.status_code == 200, r.text
     finally:
         stop(proc)
+
+
+def test_api_keys_setting(tmp_path):
+    assert Settings.from_env({}).api_keys == ()
+    keys = Settings.from_env({"CAPSERVE_API_KEYS": " key-one-123, key-two-456 ,key-one-123"})
+    assert keys.api_keys == ("key-one-123", "key-two-456")
+    assert "key-one" not in repr(keys)  # settings may be logged; keys never are
+    (tmp_path / "keys").write_text("# capserve keys\n\nkey-from-file-1\n  key-from-file-2  \n")
+    assert Settings.from_env({"CAPSERVE_API_KEYS": f"@{tmp_path / 'keys'}"}).api_keys == (
+        "key-from-file-1",
+        "key-from-file-2",
+    )
+    (tmp_path / "empty").write_text("# nothing yet\n")
+    for value, message in [(f"@{tmp_path / 'missing'}", "cannot read the key file"),
+                           (f"@{tmp_path / 'empty'}", "holds no key"), (" , ", "holds no key"),
+                           ("short", "at least 8"), ("has a space inside", "at least 8 visible ASCII"),
+                           ("ключ-ключ-ключ", "visible ASCII")]:  # fmt: skip
+        with pytest.raises(ConfigurationError, match=message) as error:
+            Settings.from_env({"CAPSERVE_API_KEYS": value})
+        assert "ключ" not in str(error.value) and "inside" not in str(error.value)  # messages never quote a key
