@@ -42,7 +42,7 @@ def resolve_model(spec: str) -> ModelSource:
     """``CAPSERVE_MODEL``'s value → the model folder: a directory, or ``NAME[:VERSION]`` in BentoML's model store
     (``capserve export bentoml``; inside a bento, the store is the bento's own models folder)."""
     path = Path(spec)
-    if path.is_dir() or not STORE_TAG.match(spec):
+    if path.exists() or not STORE_TAG.match(spec):
         return ModelSource(path)
     try:
         import bentoml
@@ -62,7 +62,8 @@ def open_model(spec: str, settings: Settings) -> tuple[Runtime, Runtime | None, 
     """The runtime for predictions, the one for explanations (None when the model has none), and the source."""
     source = resolve_model(spec)
     path = source.path
-    if not path.is_dir():
+    artifact_file = path.is_file() and settings.backend != "torch"  # the artifact itself, e.g. an int8 .onnx
+    if not path.is_dir() and not artifact_file:
         home = os.environ.get("BENTOML_HOME", "~/bentoml")
         raise ConfigurationError(f"model {spec!r} is neither a directory (working directory {Path.cwd()}) nor a "
                                  f"model in BentoML's model store ({home}): set CAPSERVE_MODEL / "
@@ -74,7 +75,7 @@ def open_model(spec: str, settings: Settings) -> tuple[Runtime, Runtime | None, 
             runtime, _ = open_torch(path, settings.device, settings.iterations, settings.precision,
                                     settings.bf16_min_agreement)  # fmt: skip
             return runtime, runtime if has_routing(runtime) else None, source
-        artifact = path / ARTIFACTS[settings.backend]
+        artifact = path if artifact_file else path / ARTIFACTS[settings.backend]
         if not artifact.is_file():
             fix = (f"capserve export onnx {path} -o {artifact}" if settings.backend == "onnxruntime"
                    else f"capserve export tensorrt {path / 'model.onnx'} -o {artifact}")  # fmt: skip
