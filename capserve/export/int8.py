@@ -42,7 +42,7 @@ import dataclasses
 import json
 import logging
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ import numpy as np
 
 from capserve.configs import ModelConfig
 from capserve.errors import ExportError, Int8GateError
-from capserve.runtime.metadata import PRECISION_KEY, ModelMetadata
+from capserve.runtime.metadata import METADATA_KEY, PRECISION_KEY, ModelMetadata
 from capserve.runtime.precision import AgreementReport, compare_precisions, decisions
 
 from .onnx import read_metadata, set_metadata
@@ -68,6 +68,8 @@ MIN_AGREEMENT = 0.97
 TARGETS = {"onnxruntime": "uint8 activations (x86 u8s8 kernels)", "tensorrt": "symmetric int8 activations"}
 QUANTIZED_OPS = ("Conv", "MatMul", "Gemm")
 METHODS = ("minmax", "percentile", "entropy")
+# The most Conv/MatMul nodes the sensitivity search leaves in float (each costs speed; see keep_sensitive_in_float).
+MAX_FLOAT_NODES = 3
 
 
 # ------------------------------------------------------------------------------------------------ calibration data
@@ -213,44 +215,127 @@ def _quiet() -> Iterator[None]:
         root.setLevel(level)
 
 
-def quantize(fp32: Any, images: np.ndarray, target: str = "onnxruntime", method: str = "minmax",
-             ) -> tuple[Any, list[str]]:  # fmt: skip
-    """A QDQ INT8 ``onnx.ModelProto`` from an FP32 one, calibrated on normalised ``images`` (N, C, H, W), and the
-    names of the Conv/MatMul nodes left in float (``excluded_nodes``).
+class Quantizer:
+    """One FP32 graph, pre-processed and calibrated once; ``build`` makes its QDQ INT8 graph with any set of
+    Conv/MatMul/Gemm nodes left in float (ONNX Runtime's calibration cache makes each build a few seconds).
 
     ``target``: ``onnxruntime`` (uint8 activations, the fast CPU kernels) or ``tensorrt`` (symmetric int8
-    activations, zero points 0, as TensorRT's explicit quantization requires). Metadata is copied unchanged.
+    activations, zero points 0, as TensorRT's explicit quantization requires). Use it as a context manager (it keeps
+    its working files in a temporary folder).
     """
-    import onnx
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    if target not in TARGETS:
-        raise ExportError(f"int8 target {target!r}; choose one of: {', '.join(TARGETS)}")
-    if method not in METHODS:
-        raise ExportError(f"calibration method {method!r}; choose one of: {', '.join(METHODS)}")
-    calibrate = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
-                 "entropy": CalibrationMethod.Entropy}[method]  # fmt: skip
-    symmetric = target == "tensorrt"
-    props = read_metadata(fp32)
-    with tempfile.TemporaryDirectory(prefix="capserve-int8-") as tmp, _quiet():
-        src, pre, out = Path(tmp) / "fp32.onnx", Path(tmp) / "pre.onnx", Path(tmp) / "int8.onnx"
-        onnx.save_model(fp32, str(src))
-        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
-        float_nodes = excluded_nodes(onnx.load(str(pre)))
-        quantize_static(
-            str(pre), str(out), _Reader(fp32.graph.input[0].name, images), quant_format=QuantFormat.QDQ,
-            per_channel=True, activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
-            weight_type=QuantType.QInt8, op_types_to_quantize=list(QUANTIZED_OPS),
-            nodes_to_exclude=float_nodes, calibrate_method=calibrate,
-            # TensorRT takes int8 Q/DQ only: biases stay float there (ONNX Runtime folds int32 biases into its kernels)
-            extra_options={"ActivationSymmetric": symmetric, "WeightSymmetric": True, "QuantizeBias": not symmetric},
-        )  # fmt: skip
+    def __init__(self, fp32: Any, images: np.ndarray, target: str = "onnxruntime", method: str = "minmax",
+                 percentile: float = 99.999):  # fmt: skip
+        import onnx
+        from onnxruntime.quantization.shape_inference import quant_pre_process
+
+        if target not in TARGETS:
+            raise ExportError(f"int8 target {target!r}; choose one of: {', '.join(TARGETS)}")
+        if method not in METHODS:
+            raise ExportError(f"calibration method {method!r}; choose one of: {', '.join(METHODS)}")
+        self.fp32, self.images, self.target, self.method, self.percentile = fp32, images, target, method, percentile
+        self._tmp = tempfile.TemporaryDirectory(prefix="capserve-int8-")
+        tmp = Path(self._tmp.name)
+        self._pre, self._cache = tmp / "pre.onnx", tmp / "calibration.json"
+        onnx.save_model(fp32, str(tmp / "fp32.onnx"))
+        with _quiet():
+            quant_pre_process(str(tmp / "fp32.onnx"), str(self._pre), skip_symbolic_shape=True)
+        pre = onnx.load(str(self._pre))
+        self.activation_products = excluded_nodes(pre)  # always float
+        weights = {i.name for i in pre.graph.initializer}
+        # what may be quantized: Conv/MatMul/Gemm with a weight operand, in graph order
+        self.weighted = [n.name for n in pre.graph.node
+                         if n.op_type in QUANTIZED_OPS and len(n.input) > 1 and n.input[1] in weights]  # fmt: skip
+
+    def __enter__(self) -> Quantizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tmp.cleanup()
+
+    def build(self, keep_float: Sequence[str] = ()) -> Any:
+        """The QDQ graph with ``keep_float`` (node names, see ``weighted``) and the activation products in float."""
+        import onnx
+        from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+        unknown = sorted(set(keep_float) - set(self.weighted))
+        if unknown:
+            raise ExportError(f"--keep-float {', '.join(unknown)}: no such Conv/MatMul/Gemm node with weights; "
+                              f"the graph's are: {', '.join(self.weighted)}")  # fmt: skip
+        calibrate = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
+                     "entropy": CalibrationMethod.Entropy}[self.method]  # fmt: skip
+        symmetric = self.target == "tensorrt"
+        out = Path(self._tmp.name) / "int8.onnx"
+        with _quiet():
+            quantize_static(
+                str(self._pre), str(out), _Reader(self.fp32.graph.input[0].name, self.images),
+                quant_format=QuantFormat.QDQ, per_channel=True,
+                activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8, weight_type=QuantType.QInt8,
+                op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=self.activation_products + list(keep_float),
+                calibrate_method=calibrate, calibration_cache_path=str(self._cache),
+                # TensorRT takes int8 Q/DQ only: biases stay float there (ONNX Runtime folds int32 biases in)
+                extra_options={"ActivationSymmetric": symmetric, "WeightSymmetric": True,
+                               "QuantizeBias": not symmetric, "CalibPercentile": self.percentile},
+            )  # fmt: skip
         proto = onnx.load(str(out))
-    set_metadata(proto, {**props, PRECISION_KEY: "int8"})
-    proto.producer_name, proto.producer_version = fp32.producer_name, fp32.producer_version
-    proto.doc_string = fp32.doc_string + " (int8 QDQ)"
-    return proto, float_nodes
+        set_metadata(proto, {**read_metadata(self.fp32), PRECISION_KEY: "int8"})
+        proto.producer_name, proto.producer_version = self.fp32.producer_name, self.fp32.producer_version
+        proto.doc_string = self.fp32.doc_string + " (int8 QDQ)"
+        return proto
+
+
+def quantize(fp32: Any, images: np.ndarray, target: str = "onnxruntime", method: str = "minmax",
+             keep_float: Sequence[str] = (), percentile: float = 99.999) -> tuple[Any, list[str]]:  # fmt: skip
+    """A QDQ INT8 ``onnx.ModelProto`` from an FP32 one, calibrated on normalised ``images`` (N, C, H, W), and the
+    names of the Conv/MatMul nodes left in float (the activation products, then ``keep_float``). See ``Quantizer``.
+    """
+    with Quantizer(fp32, images, target, method, percentile) as q:
+        return q.build(keep_float), q.activation_products + list(keep_float)
+
+
+@dataclass(frozen=True)
+class SearchStep:
+    """One step of ``keep_sensitive_in_float``: the node it left in float and the agreement that reached."""
+
+    node: str
+    agreement: float
+
+
+def search_float_nodes(candidates: Sequence[str], agreement_with: Callable[[list[str]], float], bound: float,
+                       max_nodes: int = MAX_FLOAT_NODES, start: Sequence[str] = (),
+                       ) -> tuple[list[str], float, list[SearchStep]]:  # fmt: skip
+    """Greedy choice of the nodes to leave in float: while ``agreement_with(nodes)`` is below ``bound`` and fewer than
+    ``max_nodes`` were added to ``start``, try each remaining candidate added in turn and keep the one that raises
+    the agreement most (ties broken by name, so the search is deterministic); stop when none raises it.
+
+    Returns the float nodes (``start`` first), the agreement they reach, and the steps taken.
+    """
+    chosen = list(start)
+    current, steps = agreement_with(chosen), []
+    while current < bound and len(steps) < max_nodes:
+        trials = [(agreement_with([*chosen, n]), n) for n in candidates if n not in chosen]
+        if not trials:
+            break
+        best, node = max(trials)
+        if best <= current:  # no single node helps: more float would only cost speed
+            break
+        chosen.append(node)
+        current = best
+        steps.append(SearchStep(node, best))
+        log.info("int8: %s left in float, agreement on the calibration images %.4f", node, best)
+    return chosen, current, steps
+
+
+def keep_sensitive_in_float(quantizer: Quantizer, fp32: Any, bound: float, max_nodes: int = MAX_FLOAT_NODES,
+                            keep_float: Sequence[str] = ()) -> tuple[list[str], float, list[SearchStep]]:  # fmt: skip
+    """``search_float_nodes`` over the quantizer's weighted nodes, scored by INT8-vs-FP32 agreement on the
+    *calibration* images, not the held-out ones, so that the gate that follows is an unbiased check of the choice."""
+
+    def agreement_with(nodes: list[str]) -> float:
+        int8 = _session(quantizer.build(nodes))
+        return compare_precisions(fp32, int8, quantizer.images, bound).agreement
+
+    return search_float_nodes(quantizer.weighted, agreement_with, bound, max_nodes, keep_float)
 
 
 def tensorrt_problems(proto: Any) -> list[str]:
@@ -361,7 +446,9 @@ class Int8Summary:
     calibration_images: int
     stratified: bool
     quantized_ops: tuple[str, ...]
-    float_nodes: tuple[str, ...]
+    float_nodes: tuple[str, ...]  # every Conv/MatMul/Gemm left in float (activation products, then kept_float)
+    kept_float: tuple[str, ...]  # the weighted nodes left in float (--keep-float, then the search's)
+    calibration_agreement: float  # on the calibration images, with kept_float in float
     gate_split: str
     gate_images: int
     agreement: float
@@ -381,13 +468,51 @@ class Int8Summary:
         if not isinstance(data, dict) or set(data) - known or known - set(data):
             raise ExportError(f"{INT8_KEY!r} is not a capserve int8 summary; re-export with `capserve export onnx "
                               "--int8`")  # fmt: skip
-        return cls(**{**data, "quantized_ops": tuple(data["quantized_ops"]), "float_nodes": tuple(data["float_nodes"])})
+        return cls(
+            **{
+                **data,
+                "quantized_ops": tuple(data["quantized_ops"]),
+                "float_nodes": tuple(data["float_nodes"]),
+                "kept_float": tuple(data["kept_float"]),
+            }
+        )
+
+
+def fp32_graph(checkpoint: str | Path, model: Any, digest: str, iterations: int | None = None,
+               opset: int | None = None) -> Any:  # fmt: skip
+    """The FP32 ``onnx.ModelProto`` to quantize: the model directory's own ``model.onnx`` when it was exported from
+    these weights at this T (and opset, if one is asked for), else a fresh export (tracing takes tens of seconds)."""
+    import onnx
+
+    from capserve.export.onnx import DEFAULT_OPSET, export_onnx
+    from capserve.runtime.metadata import ModelMetadata
+
+    T = iterations or (model.config.iterations if model.config.has_routing else None)  # a CNN has no T
+    shipped = Path(checkpoint) / "model.onnx"
+    if shipped.is_file():
+        proto = onnx.load(str(shipped))
+        props = read_metadata(proto)
+        version = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+        try:
+            meta = ModelMetadata.from_json(props.get(METADATA_KEY, ""))
+        except (ValueError, TypeError):
+            meta = None
+        if (meta is not None and meta.weights_sha256 == digest and meta.iterations == T
+                and props.get(PRECISION_KEY, "fp32") == "fp32" and len(proto.graph.output) == 1
+                and opset in (None, version)):  # fmt: skip
+            log.info("int8: quantizing %s (same weights and T)", shipped)
+            return proto
+    with tempfile.TemporaryDirectory(prefix="capserve-int8-") as tmp:
+        path = export_onnx(model, Path(tmp) / "fp32.onnx", iterations, opset=opset or DEFAULT_OPSET,
+                           weights_digest=digest)  # fmt: skip
+        return onnx.load(str(path))
 
 
 def export_int8(checkpoint: str | Path, output: str | Path, calibration: str | Path, *,
                 iterations: int | None = None, images: int = DEFAULT_IMAGES, gate_images: int = GATE_IMAGES,
                 min_agreement: float = MIN_AGREEMENT, force: bool = False, target: str = "onnxruntime",
-                method: str = "minmax", opset: int | None = None) -> tuple[Path, GateReport]:  # fmt: skip
+                method: str = "minmax", opset: int | None = None, keep_float: Sequence[str] = (),
+                max_float_nodes: int = MAX_FLOAT_NODES) -> tuple[Path, GateReport]:  # fmt: skip
     """Export a model directory to an INT8 QDQ ONNX file calibrated on ``calibration``, gated against FP32.
 
     Args:
@@ -398,33 +523,41 @@ def export_int8(checkpoint: str | Path, output: str | Path, calibration: str | P
         images: calibration images; gate_images: held-out images scored (at most).
         min_agreement: the gate's bound on top-1 (label-set) agreement; below it ``Int8GateError``, unless ``force``.
         target: ``onnxruntime`` (CPUs) or ``tensorrt`` (``capserve export tensorrt --int8``).
+        keep_float: Conv/MatMul/Gemm node names to leave in float from the start.
+        max_float_nodes: how many more nodes ``keep_sensitive_in_float`` may leave in float when the calibration
+            images' agreement is below ``min_agreement`` (0: no search).
     Returns:
         The path written and the gate's report.
     """
     import onnx
 
-    from capserve.export.onnx import DEFAULT_OPSET, export_onnx, load_checkpoint
+    from capserve.export.onnx import load_checkpoint
 
     if not 0 <= min_agreement <= 1:
         raise ExportError(f"--min-agreement must be in [0, 1], got {min_agreement}")
+    if max_float_nodes < 0:
+        raise ExportError(f"--max-float-nodes must be >= 0, got {max_float_nodes}")
     model, digest = load_checkpoint(checkpoint)
     data = read_calibration(calibration, model.config, images, gate_images)
-    with tempfile.TemporaryDirectory(prefix="capserve-int8-") as tmp:
-        fp32_path = export_onnx(model, Path(tmp) / "fp32.onnx", iterations, opset=opset or DEFAULT_OPSET,
-                                weights_digest=digest)  # fmt: skip
-        fp32_proto = onnx.load(str(fp32_path))
-        fp32 = _session(fp32_proto)
-    proto, float_nodes = quantize(fp32_proto, data.images, target, method)
+    fp32_proto = fp32_graph(checkpoint, model, digest, iterations, opset)
+    fp32 = _session(fp32_proto)
+    with Quantizer(fp32_proto, data.images, target, method) as quantizer:
+        kept, calibration_agreement, steps = keep_sensitive_in_float(quantizer, fp32, min_agreement, max_float_nodes,
+                                                                     keep_float)  # fmt: skip
+        proto = quantizer.build(kept)
+        float_nodes = quantizer.activation_products + kept
     report = score(fp32, _session(proto), data.held_out, data.targets, data.split, min_agreement)
     log.debug("%s", report)
+    searched = f"; left in float by the search: {', '.join(s.node for s in steps)}" if steps else ""
     if not report.passed and not force:
-        raise Int8GateError(f"not written: {report}. The calibration images may not look like the served ones (check "
-                            f"--calibration {calibration}); try more --calibration-images, or pass --force to write "
-                            "it anyway")  # fmt: skip
+        raise Int8GateError(f"not written: {report}{searched}. The calibration images may not look like the served "
+                            f"ones (check --calibration {calibration}); try more --calibration-images or "
+                            "--max-float-nodes, or pass --force to write it anyway")  # fmt: skip
     c = report.check
     summary = Int8Summary(
         target=target, method=method, calibration=str(calibration), calibration_images=len(data.images),
         stratified=data.stratified, quantized_ops=QUANTIZED_OPS, float_nodes=tuple(float_nodes),
+        kept_float=tuple(kept), calibration_agreement=calibration_agreement,
         gate_split=data.split, gate_images=c.images, agreement=c.agreement, bound=c.bound, metric=report.metric,
         fp32_accuracy=report.fp32_accuracy, int8_accuracy=report.int8_accuracy, forced=not report.passed,
     )  # fmt: skip
@@ -454,9 +587,7 @@ def verify_int8(artifact: str | Path, checkpoint: str | Path, data: str | Path |
     """``capserve verify --int8``: the export's gate again, FP32 (from ``checkpoint``, at the file's T) against
     the INT8 file, on the held-out images of ``data`` (default: the calibration data the file records). Prints the
     report; returns 0 when it passes, 1 when not."""
-    import onnx
-
-    from capserve.export.onnx import export_onnx, load_checkpoint
+    from capserve.export.onnx import load_checkpoint
     from capserve.runtime.onnx_backend import OnnxRuntime
 
     summary = read_summary(artifact)
@@ -466,9 +597,7 @@ def verify_int8(artifact: str | Path, checkpoint: str | Path, data: str | Path |
         log.warning("%s was exported from another weights file than %s", artifact, checkpoint)
     data = data or summary.calibration
     held = read_calibration(data, model.config, summary.calibration_images, gate_images)
-    with tempfile.TemporaryDirectory(prefix="capserve-int8-") as tmp:
-        fp32 = _session(onnx.load(str(export_onnx(model, Path(tmp) / "fp32.onnx", int8.metadata.iterations,
-                                                  weights_digest=digest))))  # fmt: skip
+    fp32 = _session(fp32_graph(checkpoint, model, digest, int8.metadata.iterations))
     bound = summary.bound if min_agreement is None else min_agreement
     report = score(fp32, int8, held.held_out, held.targets, held.split, bound)
     print(
@@ -500,6 +629,16 @@ def add_int8_arguments(p: Any) -> None:
         default=MIN_AGREEMENT,
         help="least top-1 (label-set) agreement with FP32 on held-out images (default %(default)s)",
     )
+    p.add_argument(
+        "--keep-float",
+        nargs="+",
+        default=[],
+        metavar="NODE",
+        help="Conv/MatMul/Gemm nodes to leave in float (names as in the graph; a wrong one lists them)",
+    )
+    p.add_argument("--max-float-nodes", type=int, default=MAX_FLOAT_NODES,
+                   help="when INT8 agrees with FP32 below --min-agreement on the calibration images, leave up to N "
+                        "more of the most sensitive nodes in float (0: never; default %(default)s)")  # fmt: skip
     p.add_argument("--gate-images", type=int, default=GATE_IMAGES, help="held-out images scored (default %(default)s)")
     p.add_argument("--force", action="store_true", help="write the INT8 file even when it fails the agreement gate")
 
@@ -516,6 +655,7 @@ def export_int8_from_args(args: Any) -> Path:
         args.checkpoint, args.output, args.calibration, iterations=args.iterations[0] if args.iterations else None,
         images=args.calibration_images, gate_images=args.gate_images, min_agreement=args.min_agreement,
         force=args.force, target=args.int8_target, method=args.calibration_method, opset=args.opset,
+        keep_float=args.keep_float, max_float_nodes=args.max_float_nodes,
     )  # fmt: skip
     print(report)
     if not report.passed:

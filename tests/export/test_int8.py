@@ -1,18 +1,17 @@
-"""INT8 export (``capserve.export.int8``): calibration on the user's images, the agreement gate, metadata, verify,
-serving and the TensorRT build, on the shipped cifar10 model and the committed real-image fixture."""
+"""INT8 export (``capserve.export.int8``): calibration on the user's images, the agreement gate, the sensitivity
+search, metadata, verify, serving and the TensorRT build.
+
+The shipped cifar10 model is quantized from its own ``models/cifar10/model.onnx`` (no tracing), calibrated on a few
+of the committed real images: one module-scoped export serves most tests."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -22,28 +21,24 @@ pytest.importorskip("onnx")
 
 import onnx
 from support import real_images
+from support.server import start_server, stop, wait_ready
 
 from capserve.cli import main
 from capserve.configs import ModelConfig
 from capserve.data.preprocess import normalize_images
-from capserve.errors import ExportError
+from capserve.errors import ExportError, Int8GateError
 from capserve.export.int8 import (
     INT8_KEY,
     MIN_AGREEMENT,
-    Int8GateError,
     export_int8,
     read_calibration,
     read_summary,
+    search_float_nodes,
 )
 from capserve.runtime import load_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 CIFAR10 = ROOT / "models" / "cifar10"
-
-
-def fixture_images() -> tuple[np.ndarray, np.ndarray]:
-    """The committed 200 CIFAR-10 test images uint8 (200, 3, 32, 32) and their classes (200,)."""
-    return real_images.cifar10()
 
 
 def write_folder(root: Path, split: str, images: np.ndarray, classes: np.ndarray, labels) -> None:
@@ -62,7 +57,7 @@ def config() -> ModelConfig:
 def data(tmp_path_factory, config) -> Path:
     """``capserve train --data`` layout: train/ (100 fixture images) and test/ (the other 100)."""
     root = tmp_path_factory.mktemp("data")
-    images, classes = fixture_images()
+    images, classes = real_images.cifar10()
     write_folder(root, "train", images[:100], classes[:100], config.labels)
     write_folder(root, "test", images[100:], classes[100:], config.labels)
     return root
@@ -75,7 +70,7 @@ def int8_file(tmp_path_factory, data) -> tuple[Path, object]:
 
 
 def test_calibration_reads_the_users_images_through_the_service_preprocessing(data, config):
-    images, classes = fixture_images()
+    images, classes = real_images.cifar10()
     cal = read_calibration(data, config, count=30)
     # every calibration image is one of the training images, normalised as the service does; each class its share
     train = normalize_images(images[:100], config)  # (100, C, H, W)
@@ -99,14 +94,13 @@ def test_calibration_reads_the_users_images_through_the_service_preprocessing(da
         read_calibration(data / "missing", config)
 
 
-@pytest.mark.slow
 def test_int8_export_agrees_with_fp32_and_keeps_the_metadata(int8_file):
     path, report = int8_file
     assert report.passed and report.check.agreement >= MIN_AGREEMENT and report.check.images == 100
     assert report.metric == "top-1" and report.int8_accuracy >= report.fp32_accuracy - 0.02
     fp32, int8 = load_runtime(CIFAR10 / "model.onnx"), load_runtime(path)
     assert int8.precision == "int8" and int8.metadata == fp32.metadata
-    images, _ = fixture_images()
+    images, _ = real_images.cifar10()
     x = normalize_images(images[100:], fp32.metadata)
     assert (fp32.predict(x).argmax(1) == int8.predict(x).argmax(1)).mean() >= MIN_AGREEMENT
     proto = onnx.load(str(path))
@@ -114,14 +108,14 @@ def test_int8_export_agrees_with_fp32_and_keeps_the_metadata(int8_file):
     assert {"QuantizeLinear", "DequantizeLinear", "LayerNormalization", "Softmax"} <= ops
     summary = read_summary(path)
     assert (summary.calibration_images, summary.gate_split, summary.forced) == (32, "test", False)
-    assert all("Conv" not in n for n in summary.float_nodes)  # only products of two activations stay float
+    assert summary.float_nodes and all("Conv" not in n for n in summary.float_nodes)  # activation products only
+    assert summary.kept_float == () and summary.calibration_agreement >= MIN_AGREEMENT  # no search was needed
     assert json.loads({p.key: p.value for p in proto.metadata_props}[INT8_KEY])["agreement"] == report.check.agreement
 
 
-@pytest.mark.slow
-def test_the_gate_refuses_a_quantization_calibrated_on_blank_images(tmp_path, data, config, capsys):
+def test_the_gate_refuses_a_quantization_calibrated_on_blank_images(tmp_path, config, capsys):
     blank = tmp_path / "blank"
-    images, classes = fixture_images()
+    images, classes = real_images.cifar10()
     write_folder(blank, "train", np.full((20, 3, 32, 32), 128, np.uint8), np.arange(20) % 10, config.labels)
     write_folder(blank, "test", images[100:], classes[100:], config.labels)  # real images to be judged on
     out = tmp_path / "bad.onnx"
@@ -135,8 +129,37 @@ def test_the_gate_refuses_a_quantization_calibrated_on_blank_images(tmp_path, da
     assert read_summary(out).agreement < MIN_AGREEMENT
 
 
-@pytest.mark.slow
-def test_verify_int8_repeats_the_gate(int8_file, data, capsys):
+def test_the_search_leaves_the_most_sensitive_nodes_in_float():
+    # agreement as a function of the float set: "b" matters most, then "c"; "a" never helps
+    gain = {"a": 0.0, "b": 0.03, "c": 0.01}
+    calls = []
+
+    def agreement_with(nodes: list[str]) -> float:
+        calls.append(tuple(nodes))
+        return 0.95 + sum(gain[n] for n in nodes)
+
+    chosen, reached, steps = search_float_nodes(["a", "b", "c"], agreement_with, bound=0.97)
+    assert chosen == ["b"] and reached == pytest.approx(0.98) and [s.node for s in steps] == ["b"]
+    chosen, reached, _ = search_float_nodes(["a", "b", "c"], agreement_with, bound=0.985)
+    assert chosen == ["b", "c"] and reached == pytest.approx(0.99)
+    assert search_float_nodes(["a", "b", "c"], agreement_with, bound=0.985, max_nodes=1)[0] == ["b"]
+    # nothing left that helps: stop rather than give up speed for nothing
+    assert search_float_nodes(["a", "b", "c"], agreement_with, bound=1.0)[0] == ["b", "c"]
+    calls.clear()
+    assert search_float_nodes(["a", "b"], agreement_with, bound=0.9, start=["c"])[0] == ["c"] and calls == [("c",)]
+
+
+def test_keep_float_names_the_nodes_it_can_take(tmp_path, data, capsys):
+    out = tmp_path / "m.onnx"
+    args = ["export", "onnx", str(CIFAR10), "-o", str(out), "--int8", "--calibration", str(data)]
+    assert main([*args, "--calibration-images", "8", "--keep-float", "node_nope"]) == 2
+    err = capsys.readouterr().err
+    assert "--keep-float node_nope: no such Conv/MatMul/Gemm node" in err and "node_Conv_" in err and not out.exists()
+    assert main(["export", "onnx", str(CIFAR10), "-o", str(out), "--int8"]) == 2
+    assert "--int8 needs --calibration DATA" in capsys.readouterr().err
+
+
+def test_verify_int8_repeats_the_gate(int8_file, capsys):
     path, report = int8_file
     assert main(["verify", str(path), "--int8", "--against", str(CIFAR10)]) == 0
     out = capsys.readouterr().out
@@ -146,50 +169,22 @@ def test_verify_int8_repeats_the_gate(int8_file, data, capsys):
     assert "is not an int8 export" in capsys.readouterr().err
 
 
-def test_export_cli_refuses_int8_without_calibration_data(tmp_path, capsys):
-    assert main(["export", "onnx", str(CIFAR10), "-o", str(tmp_path / "m.onnx"), "--int8"]) == 2
-    assert "--int8 needs --calibration DATA" in capsys.readouterr().err
-
-
 # --- serving: CAPSERVE_MODEL at the int8 file, the real server -----------------------------------------------
 
 
 @pytest.mark.slow
 def test_the_served_int8_graph_answers_like_load_runtime(int8_file, tmp_path):
-    import httpx
-
     path, _ = int8_file
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "BENTOML_HOME": str(tmp_path / "bentoml"), "BENTOML_DO_NOT_TRACK": "True",
-           "CAPSERVE_MODEL": str(path), "CAPSERVE_MULTILABEL_MODEL": "none"}  # fmt: skip
-    bentoml = Path(sys.executable).with_name("bentoml")
-    log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(bentoml), "serve", "service:CapsuleService", "--host", "127.0.0.1", "--port",
-                                 str(port)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    proc, url, log = start_server(tmp_path, CAPSERVE_MODEL=str(path), CAPSERVE_MULTILABEL_MODEL="none")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        wait_ready(proc, url, log)
         described = httpx.get(f"{url}/model", timeout=60).json()
         served = [v for v in described.values() if isinstance(v, dict) and v.get("source") == str(path)]
         assert served and served[0]["precision"] == "int8", described
-        images, _ = fixture_images()
+        images, _ = real_images.cifar10()
         runtime = load_runtime(path)
         for image in images[100:104]:
-            png = tmp_path / "x.png"
-            Image.fromarray(image.transpose(1, 2, 0)).save(png)
-            r = httpx.post(f"{url}/classify", files={"image": ("x.png", png.read_bytes(), "image/png")},
+            r = httpx.post(f"{url}/classify", files={"image": ("x.png", real_images.png(image), "image/png")},
                            data={"top_k": "10"}, timeout=60)  # fmt: skip
             assert r.status_code == 200, r.text
             got = np.zeros(10)
@@ -199,12 +194,7 @@ def test_the_served_int8_graph_answers_like_load_runtime(int8_file, tmp_path):
             expected = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
             np.testing.assert_allclose(got, expected, atol=1e-4)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc)
 
 
 # --- TensorRT: explicit quantization from the QDQ graph, against a strict stand-in -----------------------------
@@ -294,7 +284,6 @@ def stand_in_tensorrt(version: str = "10.13.0") -> types.ModuleType:
     return trt
 
 
-@pytest.mark.slow
 def test_tensorrt_int8_builds_from_the_qdq_graph(tmp_path, data, int8_file, monkeypatch):
     import capserve.export.tensorrt as export_trt
     from capserve.runtime.tensorrt_backend import EngineSidecar, sidecar_path
