@@ -67,11 +67,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             int8_path, report = export_int8(model, Path(tmp) / "model-int8.onnx", data)
-            print(f"# {name}: int8 export {time.perf_counter() - t0:.0f} s; gate: {report}")
-            runs = {
+            print(f"# {name}: int8 export {time.perf_counter() - t0:.0f} s; gate: {report}", flush=True)
+            runs = {  # int8 right after fp32: the target's comparison prints first (bf16 on an emulating CPU is slow)
                 "fp32": (load_runtime(model / "model.onnx"), model / "model.onnx"),
-                "bf16": (load_runtime(model, "torch", precision="bf16"), model / "model.safetensors"),
                 "int8": (load_runtime(int8_path), int8_path),
+                "bf16": (load_runtime(model, "torch", precision="bf16"), model / "model.safetensors"),
             }
             test = load_test(dataset, data)
             n = min(args.images, len(test))
@@ -83,8 +83,9 @@ def main() -> None:
             metric = "exact match" if meta.task == "multi_label" else "top-1"
             for k, (r, path) in runs.items():
                 b1, b32 = speed[k]
-                print(f"{name:<12}{k:<10}{r.backend:<13}{b1:>9.1f}{b32:>10.1f}{b32 / speed['fp32'][1]:>7.2f}"
-                      f"{metric:>13}{scores(r, x, targets):>8.2%}{path.stat().st_size / 1e6:>8.1f}")  # fmt: skip
+                row = (f"{name:<12}{k:<10}{r.backend:<13}{b1:>9.1f}{b32:>10.1f}{b32 / speed['fp32'][1]:>7.2f}"
+                       f"{metric:>13}{scores(r, x, targets):>8.2%}{path.stat().st_size / 1e6:>8.1f}")  # fmt: skip
+                print(row, flush=True)
             print(f"# {name}: scored on the first {n} of {len(test)} test images")
 
 
