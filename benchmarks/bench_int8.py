@@ -52,8 +52,8 @@ def scores(runtime, x: np.ndarray, targets: np.ndarray, batch: int = 250) -> flo
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cifar10", default="/work/shared/data/cifar10")
-    p.add_argument("--mnist", default="/work/shared/data/mnist")
+    p.add_argument("--cifar10", required=True, help="CIFAR-10 folder (python pickles)")
+    p.add_argument("--mnist", required=True, help="MNIST folder (IDX files)")
     p.add_argument("--images", type=int, default=10_000, help="test images scored per model (default all 10,000)")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--models", default="cifar10,multimnist", help="comma-separated shipped models")
