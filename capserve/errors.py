@@ -28,6 +28,10 @@ class ExportError(ValueError):
     """An export that cannot be done as asked; the message says what to change."""
 
 
+class Int8GateError(ExportError):
+    """An INT8 graph that disagrees with FP32 more than the bound allows; nothing was written."""
+
+
 class DataError(ValueError):
     """Data a user brought that cannot be used as it is; the message says what to fix."""
 

@@ -92,7 +92,7 @@ def parser_errors(parser: Any) -> str:
 
 def build_engine(onnx_path: str | Path, engine_path: str | Path, min_batch: int = 1, opt_batch: int = 16,
                  max_batch: int = 64, *, timing_cache: str | Path | None = None, fp16: bool = False,
-                 workspace_gib: float = 4.0, tf32: bool = False) -> Path:  # fmt: skip
+                 workspace_gib: float = 4.0, tf32: bool = False, int8: bool = False) -> Path:  # fmt: skip
     """Build and write a serialised engine for ``onnx_path`` and its sidecar ``engine_path + '.json'``.
 
     Args:
@@ -101,11 +101,17 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, min_batch: int 
         fp16: build from an FP16 version of an FP32 graph (see module docstring).
         workspace_gib: builder workspace memory limit.
         tf32: allow TF32 matrix products (TensorRT 10 enables it by default; off here for FP32 parity).
+        int8: ``onnx_path`` is an INT8 QDQ graph (``capserve.export.int8``, target tensorrt): explicit quantization,
+            the INT8 flag on TensorRT 10 (11 takes precision from the Q/DQ layers); no calibrator, no cache.
     Returns:
         ``engine_path``.
     """
     check_batch_range(min_batch, opt_batch, max_batch)
     source = read_onnx(onnx_path, fp16)
+    if int8 or source.precision == "int8":
+        from capserve.export.int8 import check_tensorrt_int8
+
+        check_tensorrt_int8(onnx_path, source.data, source.precision, fp16)
     try:
         import tensorrt as trt
     except ImportError as e:
@@ -128,6 +134,8 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, min_batch: int 
 
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
+    if source.precision == "int8" and major < 11:  # explicit quantization: the Q/DQ scales, INT8 kernels allowed
+        config.set_flag(trt.BuilderFlag.INT8)
     if not tf32 and hasattr(trt.BuilderFlag, "TF32"):
         config.clear_flag(trt.BuilderFlag.TF32)
     profile = builder.create_optimization_profile()

@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtol", type=float, help="logit tolerance per unit of max |logit| (1e-4 FP32, 0.1 FP16)")
     parser.add_argument("--min-agreement", type=float, help="least top-1 agreement (default 1.0 FP32, 0.95 FP16)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random images (default %(default)s)")
+    parser.add_argument("--int8", action="store_true", help="an INT8 export: repeat its gate (agreement and accuracy "
+                                                            "on held-out images of --data)")  # fmt: skip
+    parser.add_argument("--data", help="--int8: the images to hold out (default: the calibration data it records)")
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"give --against: the model directory {args.artifact} was exported from")
     if not Path(against).is_dir():
         raise UsageError(f"--against {against} is not a model directory (model.safetensors + config.json)")
+    if args.int8:
+        from capserve.export.int8 import verify_int8
+
+        return verify_int8(args.artifact, against, args.data, args.min_agreement)
     options = {}
     if args.precision != "fp32":
         backend = args.backend or infer_backend(args.artifact)

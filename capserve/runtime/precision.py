@@ -150,14 +150,16 @@ class AgreementReport:
     bound: float
     measure: str  # "top-1" or "label set"
     max_abs_logit: float  # max |Δlogit|, for the log
+    candidate: str = "bf16"  # what was compared with fp32 (capserve.export.int8's gate: "int8")
+    sample: str = "seeded images"
 
     @property
     def passed(self) -> bool:
         return self.agreement >= self.bound
 
     def __str__(self) -> str:
-        return (f"bf16 vs fp32 {self.measure} agreement {self.agreement:.4f} on {self.images} seeded images "
-                f"(bound {self.bound:g}), max |Δlogit| {self.max_abs_logit:.3g}")  # fmt: skip
+        return (f"{self.candidate} vs fp32 {self.measure} agreement {self.agreement:.4f} on {self.images} "
+                f"{self.sample} (bound {self.bound:g}), max |Δlogit| {self.max_abs_logit:.3g}")  # fmt: skip
 
 
 def compare_precisions(reference: Runtime, candidate: Runtime, images: np.ndarray, bound: float = MIN_AGREEMENT,

@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl
 import numpy as np
 from pydantic import WrapValidator
 
+from capserve.serving.asgi import rewrite_response
 from capserve.serving.openapi import contract_response
 from capserve.serving.routes import ARRAY_ROUTES, INPUT_SHAPES, OPEN_ROUTES
 
@@ -363,29 +364,18 @@ def one_error_shape(scope: dict, send: Any) -> Any:
     """An ASGI send() that rewrites every error response to ``{"error": "..."}`` and logs it as one line
     (method, path, status, reason); other responses pass through untouched. BentoML replaces the message of its
     5xx responses with a generic one: a ``RequestError`` raised in this request (503, 501) leaves its own."""
-    held: dict[str, Any] = {}
 
-    async def wrapped(message: dict) -> None:
-        if message["type"] == "http.response.start" and message["status"] >= 400:
-            held["start"], held["body"] = message, b""
-            return None
-        if "start" not in held or message["type"] != "http.response.body":
-            return await send(message)
-        held["body"] += message.get("body", b"")
-        if message.get("more_body", False):
-            return None
-        status = held["start"]["status"]
+    def rewrite(held_start: dict, held_body: bytes) -> tuple[dict, dict]:
+        status = held_start["status"]
         known = _request_error.get() or {}
-        reason = known.get("message") or error_message(status, held["body"])  # BentoML hides 5xx messages
+        reason = known.get("message") or error_message(status, held_body)  # BentoML hides 5xx messages
         (log.warning if status < 500 else log.error)("%s %s %d %s", scope["method"], scope["path"], status, reason)
         start, body = _json_response(status, reason)
-        start["headers"] += [(k, v) for k, v in held["start"].get("headers", [])
+        start["headers"] += [(k, v) for k, v in held_start.get("headers", [])
                              if k.lower() not in (b"content-type", b"content-length")]  # fmt: skip
-        held.clear()
-        await send(start)
-        await send(body)
+        return start, body
 
-    return wrapped
+    return rewrite_response(send, lambda start: start["status"] >= 400, rewrite)
 
 
 # the message of the RequestError raised while serving the current request (set per request by RequestGuard)

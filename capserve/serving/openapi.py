@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from capserve.serving.asgi import rewrite_response
 from capserve.serving.routes import ARRAY_ROUTES, OPEN_ROUTES
 from capserve.serving.schemas import Classification, ErrorBody, Explained, MultiLabel, ServerDescription
 
@@ -170,22 +171,12 @@ def contract(document: dict[str, Any], secured: bool, input_shapes: Mapping[str,
 
 def contract_response(send: Any, secured: bool, input_shapes: Mapping[str, tuple[int, ...]], max_bytes: int) -> Any:
     """An ASGI send() for ``GET /docs.json`` that replaces BentoML's document by ``contract``'s (errors unchanged)."""
-    held: dict[str, Any] = {}
 
-    async def wrapped(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            held["start"], held["body"] = message, b""
-            return None
-        if "start" not in held or message["type"] != "http.response.body":
-            return await send(message)
-        held["body"] += message.get("body", b"")
-        if message.get("more_body", False):
-            return None
-        start, body = held.pop("start"), held.pop("body")
+    def rewrite(start: dict, body: bytes) -> tuple[dict, dict]:
         if start["status"] == 200:
             body = json.dumps(contract(json.loads(body), secured, input_shapes, max_bytes)).encode()
         headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
-        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        return ({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]},
+                {"type": "http.response.body", "body": body})  # fmt: skip
 
-    return wrapped
+    return rewrite_response(send, lambda start: True, rewrite)

@@ -109,6 +109,10 @@ class ServerDescription(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    worker: int = Field(ge=0, description="this worker's index, counted from 0 (CAPSERVE_WORKERS)")
+    workers: int = Field(ge=1, description="how many workers the server runs")
+    device: str = Field(description="where this worker runs: cpu, or its GPU (cuda:N)")
+    threads: int = Field(ge=1, description="intra-op threads of this worker's sessions")
     single_label: ServedModel
     multi_label: ServedModel | None
     explain: ServedModel | None

@@ -42,7 +42,7 @@ def resolve_model(spec: str) -> ModelSource:
     """``CAPSERVE_MODEL``'s value → the model folder: a directory, or ``NAME[:VERSION]`` in BentoML's model store
     (``capserve export bentoml``; inside a bento, the store is the bento's own models folder)."""
     path = Path(spec)
-    if path.is_dir() or not STORE_TAG.match(spec):
+    if path.exists() or not STORE_TAG.match(spec):
         return ModelSource(path)
     try:
         import bentoml

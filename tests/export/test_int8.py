@@ -1,0 +1,313 @@
+"""INT8 export (``capserve.export.int8``): calibration on the user's images, the agreement gate, the sensitivity
+search, metadata, verify, serving and the TensorRT build.
+
+The shipped cifar10 model is quantized from its own ``models/cifar10/model.onnx`` (no tracing), calibrated on a few
+of the committed real images: one module-scoped export serves most tests."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+import onnx
+from support import real_images
+from support.server import start_server, stop, wait_ready
+
+from capserve.cli import main
+from capserve.configs import ModelConfig
+from capserve.data.preprocess import normalize_images
+from capserve.errors import ExportError, Int8GateError
+from capserve.export.int8 import (
+    INT8_KEY,
+    MIN_AGREEMENT,
+    export_int8,
+    read_calibration,
+    read_summary,
+    search_float_nodes,
+)
+from capserve.runtime import load_runtime
+
+ROOT = Path(__file__).resolve().parents[2]
+CIFAR10 = ROOT / "models" / "cifar10"
+
+
+def write_folder(root: Path, split: str, images: np.ndarray, classes: np.ndarray, labels) -> None:
+    for k, (image, c) in enumerate(zip(images, classes, strict=True)):
+        folder = root / split / labels[c]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image.transpose(1, 2, 0)).save(folder / f"{k:03d}.png")
+
+
+@pytest.fixture(scope="module")
+def config() -> ModelConfig:
+    return ModelConfig.from_dict(json.loads((CIFAR10 / "config.json").read_text())["config"])
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, config) -> Path:
+    """``capserve train --data`` layout: train/ (100 fixture images) and test/ (the other 100)."""
+    root = tmp_path_factory.mktemp("data")
+    images, classes = real_images.cifar10()
+    write_folder(root, "train", images[:100], classes[:100], config.labels)
+    write_folder(root, "test", images[100:], classes[100:], config.labels)
+    return root
+
+
+@pytest.fixture(scope="module")
+def int8_file(tmp_path_factory, data) -> tuple[Path, object]:
+    out = tmp_path_factory.mktemp("int8") / "model.onnx"  # a folder of its own, served as CAPSERVE_MODEL
+    return export_int8(CIFAR10, out, data, images=32)
+
+
+def test_calibration_reads_the_users_images_through_the_service_preprocessing(data, config):
+    images, classes = real_images.cifar10()
+    cal = read_calibration(data, config, count=30)
+    # every calibration image is one of the training images, normalised as the service does; each class its share
+    train = normalize_images(images[:100], config)  # (100, C, H, W)
+    match = [int(np.flatnonzero(np.abs(train - x).reshape(100, -1).max(1) < 1e-6)[0]) for x in cal.images]
+    assert cal.images.shape == (30, 3, 32, 32) and cal.images.dtype == np.float32 and cal.stratified
+    share = 30 * np.bincount(classes[:100], minlength=10) / 100
+    assert len(set(match)) == 30 and np.abs(np.bincount(classes[match], minlength=10) - share).max() <= 1
+    # the gate holds out the test split, with its labels
+    assert cal.split == "test" and cal.held_out.shape == (100, 3, 32, 32)
+    order = 100 + np.array(sorted(range(100), key=lambda k: (config.labels[classes[100 + k]], k)))  # scan order
+    np.testing.assert_allclose(cal.held_out, normalize_images(images[order], config), atol=1e-6)
+    np.testing.assert_array_equal(cal.targets, classes[order])
+
+    # a CSV, and data without a test split: the training images calibration left are held out
+    csv = data / "manifest.csv"
+    rows = [f"train/{p.parent.name}/{p.name},{p.parent.name}" for p in sorted((data / "train").rglob("*.png"))]
+    csv.write_text("image,labels\n" + "\n".join(rows) + "\n")
+    cal = read_calibration(csv, config, count=40)
+    assert len(cal.images) == 40 and len(cal.held_out) == 60 and cal.split.startswith("train images not used")
+    with pytest.raises(ExportError, match="does not exist"):
+        read_calibration(data / "missing", config)
+
+
+def test_int8_export_agrees_with_fp32_and_keeps_the_metadata(int8_file):
+    path, report = int8_file
+    assert report.passed and report.check.agreement >= MIN_AGREEMENT and report.check.images == 100
+    assert report.metric == "top-1" and report.int8_accuracy >= report.fp32_accuracy - 0.02
+    fp32, int8 = load_runtime(CIFAR10 / "model.onnx"), load_runtime(path)
+    assert int8.precision == "int8" and int8.metadata == fp32.metadata
+    images, _ = real_images.cifar10()
+    x = normalize_images(images[100:], fp32.metadata)
+    assert (fp32.predict(x).argmax(1) == int8.predict(x).argmax(1)).mean() >= MIN_AGREEMENT
+    proto = onnx.load(str(path))
+    ops = {n.op_type for n in proto.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear", "LayerNormalization", "Softmax"} <= ops
+    summary = read_summary(path)
+    assert (summary.calibration_images, summary.gate_split, summary.forced) == (32, "test", False)
+    assert summary.float_nodes and all("Conv" not in n for n in summary.float_nodes)  # activation products only
+    assert summary.kept_float == () and summary.calibration_agreement >= MIN_AGREEMENT  # no search was needed
+    assert json.loads({p.key: p.value for p in proto.metadata_props}[INT8_KEY])["agreement"] == report.check.agreement
+
+
+def test_the_gate_refuses_a_quantization_calibrated_on_blank_images(tmp_path, config, capsys):
+    blank = tmp_path / "blank"
+    images, classes = real_images.cifar10()
+    write_folder(blank, "train", np.full((20, 3, 32, 32), 128, np.uint8), np.arange(20) % 10, config.labels)
+    write_folder(blank, "test", images[100:], classes[100:], config.labels)  # real images to be judged on
+    out = tmp_path / "bad.onnx"
+    with pytest.raises(Int8GateError, match="not written: int8 vs fp32 top-1 agreement") as e:
+        export_int8(CIFAR10, out, blank, images=10)
+    assert not out.exists() and "--force" in str(e.value)
+    assert main(["export", "onnx", str(CIFAR10), "-o", str(out), "--int8", "--calibration", str(blank),
+                 "--calibration-images", "10", "--force"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "written with --force below the bound 0.97" in printed and read_summary(out).forced
+    assert read_summary(out).agreement < MIN_AGREEMENT
+
+
+def test_the_search_leaves_the_most_sensitive_nodes_in_float():
+    # agreement as a function of the float set: "b" matters most, then "c"; "a" never helps
+    gain = {"a": 0.0, "b": 0.03, "c": 0.01}
+    calls = []
+
+    def agreement_with(nodes: list[str]) -> float:
+        calls.append(tuple(nodes))
+        return 0.95 + sum(gain[n] for n in nodes)
+
+    chosen, reached, steps = search_float_nodes(["a", "b", "c"], agreement_with, bound=0.97)
+    assert chosen == ["b"] and reached == pytest.approx(0.98) and [s.node for s in steps] == ["b"]
+    chosen, reached, _ = search_float_nodes(["a", "b", "c"], agreement_with, bound=0.985)
+    assert chosen == ["b", "c"] and reached == pytest.approx(0.99)
+    assert search_float_nodes(["a", "b", "c"], agreement_with, bound=0.985, max_nodes=1)[0] == ["b"]
+    # nothing left that helps: stop rather than give up speed for nothing
+    assert search_float_nodes(["a", "b", "c"], agreement_with, bound=1.0)[0] == ["b", "c"]
+    calls.clear()
+    assert search_float_nodes(["a", "b"], agreement_with, bound=0.9, start=["c"])[0] == ["c"] and calls == [("c",)]
+
+
+def test_keep_float_names_the_nodes_it_can_take(tmp_path, data, capsys):
+    out = tmp_path / "m.onnx"
+    args = ["export", "onnx", str(CIFAR10), "-o", str(out), "--int8", "--calibration", str(data)]
+    assert main([*args, "--calibration-images", "8", "--keep-float", "node_nope"]) == 2
+    err = capsys.readouterr().err
+    assert "--keep-float node_nope: no such Conv/MatMul/Gemm node" in err and "node_Conv_" in err and not out.exists()
+    assert main(["export", "onnx", str(CIFAR10), "-o", str(out), "--int8"]) == 2
+    assert "--int8 needs --calibration DATA" in capsys.readouterr().err
+
+
+def test_verify_int8_repeats_the_gate(int8_file, capsys):
+    path, report = int8_file
+    assert main(["verify", str(path), "--int8", "--against", str(CIFAR10)]) == 0
+    out = capsys.readouterr().out
+    assert f"agreement {report.check.agreement:.4f} on 100 held-out images (test" in out and "passed" in out
+    assert main(["verify", str(path), "--int8", "--against", str(CIFAR10), "--min-agreement", "1.01"]) == 1
+    assert main(["verify", str(CIFAR10 / "model.onnx"), "--int8", "--against", str(CIFAR10)]) == 2
+    assert "is not an int8 export" in capsys.readouterr().err
+
+
+# --- serving: CAPSERVE_MODEL at the int8 file, the real server -----------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_served_int8_graph_answers_like_load_runtime(int8_file, tmp_path):
+    path, _ = int8_file
+    proc, url, log = start_server(tmp_path, CAPSERVE_MODEL=str(path), CAPSERVE_MULTILABEL_MODEL="none")
+    try:
+        wait_ready(proc, url, log)
+        described = httpx.get(f"{url}/model", timeout=60).json()
+        served = [v for v in described.values() if isinstance(v, dict) and v.get("source") == str(path)]
+        assert served and served[0]["precision"] == "int8", described
+        images, _ = real_images.cifar10()
+        runtime = load_runtime(path)
+        for image in images[100:104]:
+            r = httpx.post(f"{url}/classify", files={"image": ("x.png", real_images.png(image), "image/png")},
+                           data={"top_k": "10"}, timeout=60)  # fmt: skip
+            assert r.status_code == 200, r.text
+            got = np.zeros(10)
+            for p in r.json()["predictions"]:
+                got[p["index"]] = p["probability"]
+            logits = runtime.predict(normalize_images(image[None], runtime.metadata))[0]
+            expected = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+            np.testing.assert_allclose(got, expected, atol=1e-4)
+    finally:
+        stop(proc)
+
+
+# --- TensorRT: explicit quantization from the QDQ graph, against a strict stand-in -----------------------------
+
+
+def stand_in_tensorrt(version: str = "10.13.0") -> types.ModuleType:
+    """The TensorRT 10/11 builder API as ``build_engine`` uses it, strict where INT8 matters: the parser takes a
+    QDQ graph only with signed int8 zero points 0 (TensorRT's explicit quantization), an implicit-quantization
+    calibrator or an INT8 flag on TensorRT 11 (removed there) raise, and every call is recorded."""
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = version
+    trt.calls = []
+    rec = trt.calls.append
+    major = int(version.split(".")[0])
+
+    class Logger:
+        WARNING = 2
+
+        def __init__(self, level):
+            pass
+
+    class Network:
+        data = b""
+
+    class Parser:
+        num_errors = 0
+
+        def __init__(self, network, logger):
+            self.network = network
+
+        def parse(self, data):
+            from onnx import TensorProto, numpy_helper
+
+            proto = onnx.load_model_from_string(data)
+            values = {i.name: i for i in proto.graph.initializer}
+            qdq = [n for n in proto.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+            for n in qdq:
+                zero = values[n.input[2]]
+                assert zero.data_type == TensorProto.INT8 and not numpy_helper.to_array(zero).any(), n.name
+            rec(("parse", len(qdq)))
+            self.network.data = data
+            return True
+
+    class Config:
+        def set_memory_pool_limit(self, pool, size):
+            rec(("workspace", size))
+
+        def set_flag(self, flag):
+            if major >= 11 and flag == "INT8":
+                raise AttributeError("TensorRT 11 has no INT8 builder flag")
+            rec(("set_flag", flag))
+
+        def clear_flag(self, flag):
+            rec(("clear_flag", flag))
+
+        def add_optimization_profile(self, profile):
+            rec(("profile", profile.shapes))
+
+        def set_int8_calibrator(self, calibrator):
+            raise AssertionError("implicit quantization: an INT8 graph carries its own scales")
+
+    class Profile:
+        def set_shape(self, name, *shapes):
+            self.shapes = (name, *shapes)
+
+    class Builder:
+        def __init__(self, logger):
+            pass
+
+        def create_network(self, flags):
+            rec(("create_network", flags))
+            return Network()
+
+        def create_builder_config(self):
+            return Config()
+
+        def create_optimization_profile(self):
+            return Profile()
+
+        def build_serialized_network(self, network, config):
+            return network.data
+
+    trt.Logger, trt.OnnxParser, trt.Builder = Logger, Parser, Builder
+    trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE=0)
+    trt.BuilderFlag = types.SimpleNamespace(TF32="TF32", **({"INT8": "INT8"} if major < 11 else {}))
+    trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=1)
+    return trt
+
+
+def test_tensorrt_int8_builds_from_the_qdq_graph(tmp_path, data, int8_file, monkeypatch):
+    import capserve.export.tensorrt as export_trt
+    from capserve.runtime.tensorrt_backend import EngineSidecar, sidecar_path
+
+    monkeypatch.setattr(export_trt, "gpu_name", lambda device="cuda": "NVIDIA H200")
+    trt = stand_in_tensorrt()
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    cpu_graph, _ = int8_file
+    with pytest.raises(ExportError, match="re-export with `--int8 --int8-target tensorrt`"):
+        export_trt.build_engine(cpu_graph, tmp_path / "m.plan", int8=True)  # uint8 activations
+    with pytest.raises(ExportError, match="is a fp32 graph"):
+        export_trt.build_engine(CIFAR10 / "model.onnx", tmp_path / "m.plan", int8=True)
+
+    onnx_file = tmp_path / "model-trt.onnx"
+    assert main(["export", "onnx", str(CIFAR10), "-o", str(onnx_file), "--int8", "--calibration", str(data),
+                 "--calibration-images", "16", "--int8-target", "tensorrt"]) == 0  # fmt: skip
+    assert main(["export", "tensorrt", str(onnx_file), "-o", str(tmp_path / "m.plan"), "--int8"]) == 0
+    parsed = [c for c in trt.calls if c[0] == "parse"]
+    assert parsed and parsed[0][1] > 0 and ("set_flag", "INT8") in trt.calls and ("create_network", 0) in trt.calls
+    sidecar = EngineSidecar.read(sidecar_path(tmp_path / "m.plan"))
+    assert sidecar.precision == "int8" and sidecar.metadata == load_runtime(CIFAR10 / "model.onnx").metadata
+
+    trt11 = stand_in_tensorrt("11.0.0")  # strongly typed: precision from the Q/DQ layers, no flag
+    monkeypatch.setitem(sys.modules, "tensorrt", trt11)
+    export_trt.build_engine(onnx_file, tmp_path / "m11.plan")
+    assert not [c for c in trt11.calls if c[0] == "set_flag"]
+    assert EngineSidecar.read(sidecar_path(tmp_path / "m11.plan")).precision == "int8"
