@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from capserve.configs import list_models
+from capserve.data.augment import AUGMENTATIONS
 
 SCHEDULES = ("step", "cosine", "onecycle")
 
@@ -20,6 +21,9 @@ AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 OPTIMIZERS = ("sgd", "adam")
+
+
+FREEZE = ("backbone",)  # parts of the model that --freeze keeps at their --init values
 
 
 DEFAULT_LR = {"sgd": 0.1, "adam": 1e-3}
@@ -62,6 +66,8 @@ class TrainConfig:
     device: str = "auto"
     image_size: int | None = None  # own images: the model's input size (default: the config's)
     init: str | None = None  # a model folder to fine-tune from (shape-matching tensors are loaded)
+    augment: str | None = None  # AUGMENTATIONS; None: the data's default (capserve.data.augment.default_augment)
+    freeze: str | None = None  # FREEZE: "backbone" trains only the capsule layers (small data sets, with --init)
 
     def __post_init__(self) -> None:
         if self.model not in list_models():
@@ -76,6 +82,12 @@ class TrainConfig:
             self.momentum = 0.9
         if self.lr is None:
             self.lr = DEFAULT_LR[self.optimizer]
+        if self.augment is not None and self.augment not in AUGMENTATIONS:
+            raise ValueError(f"--augment must be one of {AUGMENTATIONS}, got {self.augment!r}")
+        if self.freeze is not None and self.freeze not in FREEZE:
+            raise ValueError(f"--freeze must be one of {FREEZE}, got {self.freeze!r}")
+        if self.freeze is not None and not self.init:
+            raise ValueError(f"--freeze {self.freeze} keeps a trained backbone: give --init MODEL_DIR too")
         if self.amp not in AMP:
             raise ValueError(f"--amp must be one of {tuple(AMP)}, got {self.amp!r}")
         for name in ("epochs", "batch_size", "eval_batch_size"):
