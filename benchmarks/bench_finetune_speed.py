@@ -68,7 +68,8 @@ def main() -> None:
     models = {}
     for size in sizes:
         m = build_model(dataclasses.replace(source.config, image_size=size))
-        m.load_state_dict(source.state_dict())
+        own = m.state_dict()  # at another size the class layer (fc over positions) has another shape: fresh
+        m.load_state_dict({k: v for k, v in source.state_dict().items() if own[k].shape == v.shape}, strict=False)
         models[size] = m
     variants = [(size, freeze) for size in sizes for freeze in (False, True)]
     rates: dict[tuple[int, bool], list[float]] = {v: [] for v in variants}
