@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from capserve.configs import get_config, list_models
+from capserve.data.augment import AUGMENTATIONS
 from capserve.data.splits import parse_val_size
-from capserve.train.config import AMP, OPTIMIZERS, SCHEDULES, TrainConfig, read_resume_config
+from capserve.train.config import AMP, FREEZE, OPTIMIZERS, SCHEDULES, TrainConfig, read_resume_config
 from capserve.train.loop import train
 from capserve.train.state import init_architecture, parse_label_map
 
@@ -53,6 +54,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", help="the model's name in served answers and exports (default: the --out folder's name)")
     p.add_argument("--label-separator", metavar="SEP", help="a CSV's labels column: labels separated by SEP (e.g. ';' "
                    "or '|', for label names with spaces; default: spaces)")  # fmt: skip
+    p.add_argument(
+        "--augment",
+        choices=AUGMENTATIONS,
+        help="training augmentation: none, shift (random translation up to 1/8 of the side) or crop-flip "
+        "(shift + random mirror, the CIFAR recipe). Default: crop-flip for CIFAR and for colour photos, none for "
+        "grey images (digits, text) and DiverseMultiMNIST; recorded in train_config.json",
+    )
+    p.add_argument(
+        "--freeze",
+        choices=FREEZE,
+        help="keep the --init model's backbone as it is and train only the capsule layers (faster; small data sets)",
+    )
     p.add_argument("--out", help="output folder (checkpoints, metrics, plot)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model config override (JSON)")
     p.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR (its last/ checkpoint)")
@@ -107,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
                           seed=args.seed, eval_batch_size=args.eval_batch_size, test=not args.no_test,
                           device=args.device, image_size=args.image_size, init=args.init,
                           label_map=parse_label_map(args.label_map), name=args.name,
-                          label_separator=args.label_separator)  # fmt: skip
+                          label_separator=args.label_separator,
+                          augment=args.augment, freeze=args.freeze)  # fmt: skip
         get_config(cfg.model, **cfg.overrides)  # fail early on a bad --set
     if resume:  # a step limit applies to one invocation, never to the resumed one
         cfg = dataclasses.replace(cfg, max_steps=args.max_steps)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from capserve.configs import list_models
+from capserve.data.augment import AUGMENTATIONS
 
 SCHEDULES = ("step", "cosine", "onecycle")
 
@@ -20,6 +21,9 @@ AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 OPTIMIZERS = ("sgd", "adam")
+
+
+FREEZE = ("backbone",)  # parts of the model that --freeze keeps at their --init values
 
 
 DEFAULT_LR = {"sgd": 0.1, "adam": 1e-3}
@@ -65,6 +69,8 @@ class TrainConfig:
     label_map: dict[str, str] = field(default_factory=dict)  # --init: its labels renamed in the data {OLD: NEW}
     label_separator: str | None = None  # a CSV's labels column: split on this (None: on spaces)
     name: str | None = None  # the model's name in served answers and exports (None: the --out folder's name)
+    augment: str | None = None  # AUGMENTATIONS; None: the data's default (capserve.data.augment.default_augment)
+    freeze: str | None = None  # FREEZE: "backbone" trains only the capsule layers (small data sets, with --init)
 
     def __post_init__(self) -> None:
         if self.model not in list_models():
@@ -79,6 +85,12 @@ class TrainConfig:
             self.momentum = 0.9
         if self.lr is None:
             self.lr = DEFAULT_LR[self.optimizer]
+        if self.augment is not None and self.augment not in AUGMENTATIONS:
+            raise ValueError(f"--augment must be one of {AUGMENTATIONS}, got {self.augment!r}")
+        if self.freeze is not None and self.freeze not in FREEZE:
+            raise ValueError(f"--freeze must be one of {FREEZE}, got {self.freeze!r}")
+        if self.freeze is not None and not self.init:
+            raise ValueError(f"--freeze {self.freeze} keeps a trained backbone: give --init MODEL_DIR too")
         if self.amp not in AMP:
             raise ValueError(f"--amp must be one of {tuple(AMP)}, got {self.amp!r}")
         for name in ("epochs", "batch_size", "eval_batch_size"):

@@ -46,7 +46,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from capserve.configs import ModelConfig, get_config
-from capserve.data.augment import random_crop_flip
+from capserve.data.augment import apply_augment, default_augment
 from capserve.data.builtin import Data, dataset_for, load_test, load_training
 from capserve.data.own import (
     CACHE_FILE,
@@ -78,10 +78,12 @@ log = logging.getLogger(__name__)
 
 
 def make_optimizer(model: Model, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """SGD with momentum (the default, the authors'), or Adam; both with L2 weight decay ``cfg.weight_decay``."""
+    """SGD with momentum (the default, the authors'), or Adam; both with L2 weight decay ``cfg.weight_decay``, over
+    the parameters that train (``--freeze backbone`` leaves the backbone's out: no decay pulls them either)."""
+    params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
 # ------------------------------------------------------------------------------------------------- metrics
@@ -253,6 +255,16 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
         data = load_training(dataset, cfg.data, val_size_of(cfg, own=False), cfg.epoch_size, device)
     if data.epoch_size < cfg.batch_size:
         raise ValueError(f"--batch-size {cfg.batch_size} exceeds the {data.epoch_size} training images per epoch")
+    if cfg.augment is None:  # recorded in train_config.json (and every checkpoint) as resolved
+        images = data.train.images if data.train is not None else None
+        cfg = dataclasses.replace(cfg, augment=default_augment(dataset, images))
+    if d.main:
+        log.info("augmentation: %s", cfg.augment)
+    if manifest is not None and not cfg.init:  # --init keeps the mean/std its weights were trained with
+        model.config = dataclasses.replace(model.config, **data_mean_std(data.train.images))
+        log.info("mean/std from the %d training images: %s / %s", len(data.train), model.config.mean, model.config.std)
+    if cfg.freeze == "backbone":
+        model.backbone.requires_grad_(False)
     model.to(device)
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
@@ -293,12 +305,27 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
     return run
 
 
+def data_mean_std(images: Tensor, chunk: int = 4096) -> dict[str, tuple[float, ...]]:
+    """Per-channel mean and std of uint8 images (N, C, H, W) on the 0..1 scale, rounded to 4 digits (the std at
+    least 1/255, so that a constant channel does not divide by zero); summed in float64 one chunk at a time."""
+    C = images.shape[1]
+    sums = torch.zeros(2, C, dtype=torch.float64)
+    for start in range(0, len(images), chunk):
+        x = images[start : start + chunk].to("cpu", torch.float64) / 255  # (n, C, H, W)
+        sums += torch.stack([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3))])
+    n = max(images.numel() // max(C, 1), 1)
+    mean = sums[0] / n
+    std = (sums[1] / n - mean**2).clamp_min(0).sqrt().clamp_min(1 / 255)
+    return {"mean": tuple(round(v, 4) for v in mean.tolist()), "std": tuple(round(v, 4) for v in std.tolist())}
+
+
 def augment(run: Run, x: Tensor, epoch: int, batch: int) -> Tensor:
-    """A training batch as the network sees it: augmented (uint8), then normalised with the model's mean/std."""
+    """A training batch as the network sees it: augmented (uint8, ``--augment``), then normalised with the model's
+    mean/std."""
     cfg, c = run.cfg, run.model.config
-    if run.dataset != "multimnist":  # the authors' CIFAR augmentation; DiverseMultiMNIST shifts are built in
+    if cfg.augment not in (None, "none"):
         g = torch.Generator(device=run.device).manual_seed(cfg.seed * 7_919 + epoch * 100_003 + batch)
-        x = random_crop_flip(x, max(1, c.image_size // 8), g)  # padding 4 at 32×32
+        x = apply_augment(cfg.augment, x, g)  # shifts of up to 4 pixels at 32×32
     x = normalize(x, c.mean, c.std)
     return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
 
@@ -338,6 +365,8 @@ def train_epoch(run: Run) -> tuple[dict[str, Any], bool]:
     sums = torch.zeros(3, device=device)  # loss·n, hits, n
     t_epoch, images, lr, stop = time.perf_counter(), 0, cfg.lr, False
     run.net.train()
+    if cfg.freeze == "backbone":  # its BatchNorm keeps the --init model's statistics
+        run.model.backbone.eval()
     bar = tqdm(total=steps, initial=state["batch"], desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="step",
                disable=not d.main, leave=False, dynamic_ncols=True, mininterval=0.5)  # fmt: skip
     with logging_redirect_tqdm(), bar:
@@ -407,7 +436,7 @@ def finish(run: Run) -> dict[str, Any]:
                                "best_val_acc": state["best_acc"] if data.val is not None else None,
                                "steps": state["step"], "train_seconds": state["elapsed"],
                                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                               "processes": d.world}  # fmt: skip
+                               "processes": d.world, "augment": cfg.augment}  # fmt: skip
     if run.manifest is not None:
         summary.update(labels=list(c.labels), task=c.task, skipped_images=run.skipped)
     if run.init is not None:

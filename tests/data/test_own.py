@@ -480,3 +480,95 @@ def test_bench_data_refuses_fewer_images_than_its_validation_carve(tmp_path: Pat
     assert done.returncode == 2, done.stderr
     assert "--images must be more than 500" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# ------------------------------------------------------------------------------------------------ audit holes
+
+
+@pytest.mark.parametrize("kind", ["folder", "csv"])
+def test_validation_carve_never_leaks_and_keeps_every_image(tmp_path, kind):
+    from capserve.data.own import with_validation
+
+    if kind == "folder":
+        manifest = scan(write_folder(tmp_path / "f", train=7))
+    else:
+        rows = [(f"img/{i}.png", LABELS[i % 3].split()[0], "") for i in range(23)]
+        manifest = scan(write_csv(tmp_path / "c", rows, header="image,labels,split"))
+    before = [s.path for s in manifest.splits["train"]]
+    carved, count = with_validation(manifest, 0.25)
+    train_paths = [s.path for s in carved.splits["train"]]
+    val_paths = [s.path for s in carved.splits["val"]]
+    assert count == len(val_paths) == round(0.25 * len(before)) and count > 0
+    assert not set(train_paths) & set(val_paths)  # no file in both
+    assert sorted(train_paths + val_paths) == sorted(before)  # together exactly the input, each once
+
+
+def test_relabelled_csv_rebuilds_the_cache(tmp_path):
+    root = tmp_path / "c"
+    (root / "img").mkdir(parents=True)
+    for i in range(4):
+        (root / "img" / f"{i}.png").write_bytes(picture(LABELS[i % 3], i))
+    first = write_csv(root, [(f"img/{i}.png", "a" if i < 2 else "b", "train") for i in range(4)])
+    cache = tmp_path / CACHE_FILE
+    spec = InputSize(3, SIZE)
+    old = build_cache(scan(first), ("a", "b"), spec, cache)
+    # the same files and the same label set, but two images swap their labels
+    again = write_csv(root, [(f"img/{i}.png", "b" if i in (0, 3) else "a", "train") for i in range(4)])
+    new = build_cache(scan(again), ("a", "b"), spec, cache)
+    assert not new.from_cache
+    assert new.splits["train"].targets.tolist() == [[0, 1], [1, 0], [1, 0], [0, 1]]
+    assert not torch.equal(new.splits["train"].targets, old.splits["train"].targets)
+    assert build_cache(scan(again), ("a", "b"), spec, cache).from_cache  # unchanged again: reused
+
+
+@pytest.mark.parametrize("raw", ["img/../../up.png", "./../up.png", "a/b/../../../up.png"])
+def test_csv_paths_that_escape_after_normalising_are_refused(tmp_path, capsys, raw):
+    csv_path = write_csv(tmp_path / "d", [("ok.png", "a", "train"), (raw, "b", "train")])
+    code = main(["train", "--model", "cifar10-simple", "--data", str(csv_path), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"line 3: image path {raw!r} leaves" in err and "Traceback" not in err, err
+
+
+def test_csv_paths_inside_the_folder_are_kept(tmp_path):
+    (tmp_path / "d" / "img").mkdir(parents=True)
+    csv_path = write_csv(tmp_path / "d", [("img/../ok.png", "a", "train"), ("img/./x/../b.png", "b", "train")])
+    paths = [s.path for s in scan(csv_path).splits["train"]]
+    assert paths == [tmp_path / "d" / "ok.png", tmp_path / "d" / "img" / "b.png"]
+
+
+def test_precision_and_recall_are_not_swapped():
+    from capserve.evaluate import single_label_metrics
+
+    # truth 0 0 0 1, predicted 0 1 1 1: label 0 is always right when predicted (precision 1) but found once in three
+    # (recall 1/3); label 1 is found every time (recall 1) but right once in three predictions (precision 1/3)
+    logits = torch.tensor([[2.0, 0.0], [0.0, 2.0], [0.0, 2.0], [0.0, 2.0]])
+    m = single_label_metrics(logits, torch.tensor([0, 0, 0, 1]))
+    assert m["precision"] == pytest.approx([1.0, 1 / 3]) and m["recall"] == pytest.approx([1 / 3, 1.0])
+    assert m["f1"] == pytest.approx([0.5, 0.5]) and m["support"] == [3, 1] and m["top1"] == 0.5
+    assert m["confusion"] == [[1, 2], [0, 1]]  # rows true, columns predicted
+
+
+def test_init_skips_tensors_of_another_shape_even_with_as_many_values(tmp_path):
+    from capserve.model.checkpoint import save_model
+
+    tiny = {**tiny_overrides("cifar10-simple"), "image_size": SIZE, "labels": LABELS}
+    torch.manual_seed(1)
+    source = capserve.create_model("cifar10-simple", **tiny)
+    save_model(source, tmp_path / "source")
+    # twice the backbone channels, half the primary types: primary.conv.weight (64, 8, 1, 1) becomes (32, 16, 1, 1),
+    # the same number of values in another shape
+    torch.manual_seed(2)
+    target = capserve.create_model("cifar10-simple", **{**tiny, "backbone_channels": 16, "primary_types": 2})
+    fresh = {k: v.clone() for k, v in target.state_dict().items()}
+    report = init_from(target, tmp_path / "source")
+    ours, theirs = target.state_dict(), source.state_dict()
+    mismatched = sorted(k for k in ours if k in theirs and ours[k].shape != theirs[k].shape)
+    assert "primary.conv.weight" in mismatched and ours["primary.conv.weight"].numel() == theirs[
+        "primary.conv.weight"].numel()  # fmt: skip
+    assert set(mismatched) <= set(report["new"])  # listed as new, left as initialised
+    for name in report["new"]:
+        assert torch.equal(ours[name], fresh[name])
+    assert report["loaded"] and not set(report["loaded"]) & set(mismatched)
+    for name in report["loaded"]:  # the rest is the source's
+        assert torch.equal(ours[name], theirs[name])
+    assert any(k.startswith(f"capsules.{len(target.capsules) - 1}.") for k in report["loaded"])  # same labels
