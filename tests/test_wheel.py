@@ -106,7 +106,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
         assert r.status_code == 200, r.text
         assert r.json()["model"] == "cifar10-resnet" and len(r.json()["predictions"]) == 5
         described = httpx.get(f"{url}/model", timeout=30).json()
-        assert described["single_label"]["source"].endswith("cifar10") and described["multi_label"] is None
+        assert described["single_label"]["name"] == "cifar10-resnet" and described["multi_label"] is None
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
