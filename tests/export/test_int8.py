@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import types
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ pytest.importorskip("onnx")
 
 import onnx
 from support import real_images
+from support.gpu import fake_tensorrt
 from support.server import start_server, stop, wait_ready
 
 from capserve.cli import main
@@ -199,96 +199,12 @@ def test_the_served_int8_graph_answers_like_load_runtime(int8_file, tmp_path):
 # --- TensorRT: explicit quantization from the QDQ graph, against a strict stand-in -----------------------------
 
 
-def stand_in_tensorrt(version: str = "10.13.0") -> types.ModuleType:
-    """The TensorRT 10/11 builder API as ``build_engine`` uses it, strict where INT8 matters: the parser takes a
-    QDQ graph only with signed int8 zero points 0 (TensorRT's explicit quantization), an implicit-quantization
-    calibrator or an INT8 flag on TensorRT 11 (removed there) raise, and every call is recorded."""
-    trt = types.ModuleType("tensorrt")
-    trt.__version__ = version
-    trt.calls = []
-    rec = trt.calls.append
-    major = int(version.split(".")[0])
-
-    class Logger:
-        WARNING = 2
-
-        def __init__(self, level):
-            pass
-
-    class Network:
-        data = b""
-
-    class Parser:
-        num_errors = 0
-
-        def __init__(self, network, logger):
-            self.network = network
-
-        def parse(self, data):
-            from onnx import TensorProto, numpy_helper
-
-            proto = onnx.load_model_from_string(data)
-            values = {i.name: i for i in proto.graph.initializer}
-            qdq = [n for n in proto.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
-            for n in qdq:
-                zero = values[n.input[2]]
-                assert zero.data_type == TensorProto.INT8 and not numpy_helper.to_array(zero).any(), n.name
-            rec(("parse", len(qdq)))
-            self.network.data = data
-            return True
-
-    class Config:
-        def set_memory_pool_limit(self, pool, size):
-            rec(("workspace", size))
-
-        def set_flag(self, flag):
-            if major >= 11 and flag == "INT8":
-                raise AttributeError("TensorRT 11 has no INT8 builder flag")
-            rec(("set_flag", flag))
-
-        def clear_flag(self, flag):
-            rec(("clear_flag", flag))
-
-        def add_optimization_profile(self, profile):
-            rec(("profile", profile.shapes))
-
-        def set_int8_calibrator(self, calibrator):
-            raise AssertionError("implicit quantization: an INT8 graph carries its own scales")
-
-    class Profile:
-        def set_shape(self, name, *shapes):
-            self.shapes = (name, *shapes)
-
-    class Builder:
-        def __init__(self, logger):
-            pass
-
-        def create_network(self, flags):
-            rec(("create_network", flags))
-            return Network()
-
-        def create_builder_config(self):
-            return Config()
-
-        def create_optimization_profile(self):
-            return Profile()
-
-        def build_serialized_network(self, network, config):
-            return network.data
-
-    trt.Logger, trt.OnnxParser, trt.Builder = Logger, Parser, Builder
-    trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE=0)
-    trt.BuilderFlag = types.SimpleNamespace(TF32="TF32", **({"INT8": "INT8"} if major < 11 else {}))
-    trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=1)
-    return trt
-
-
 def test_tensorrt_int8_builds_from_the_qdq_graph(tmp_path, data, int8_file, monkeypatch):
     import capserve.export.tensorrt as export_trt
     from capserve.runtime.tensorrt_backend import EngineSidecar, sidecar_path
 
     monkeypatch.setattr(export_trt, "gpu_name", lambda device="cuda": "NVIDIA H200")
-    trt = stand_in_tensorrt()
+    trt = fake_tensorrt()
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     cpu_graph, _ = int8_file
     with pytest.raises(ExportError, match="re-export with `--int8 --int8-target tensorrt`"):
@@ -305,7 +221,7 @@ def test_tensorrt_int8_builds_from_the_qdq_graph(tmp_path, data, int8_file, monk
     sidecar = EngineSidecar.read(sidecar_path(tmp_path / "m.plan"))
     assert sidecar.precision == "int8" and sidecar.metadata == load_runtime(CIFAR10 / "model.onnx").metadata
 
-    trt11 = stand_in_tensorrt("11.0.0")  # strongly typed: precision from the Q/DQ layers, no flag
+    trt11 = fake_tensorrt(version="11.0.0")  # strongly typed: precision from the Q/DQ layers, no flag
     monkeypatch.setitem(sys.modules, "tensorrt", trt11)
     export_trt.build_engine(onnx_file, tmp_path / "m11.plan")
     assert not [c for c in trt11.calls if c[0] == "set_flag"]

@@ -14,7 +14,7 @@ class ContractError(AssertionError):
 
 
 def fake_tensorrt(
-    parse_ok: bool = True, profile: tuple[int, int] = (1, 64), cache_from: bytes = b""
+    parse_ok: bool = True, profile: tuple[int, int] = (1, 64), cache_from: bytes = b"", version: str = "10.13.0"
 ) -> types.ModuleType:
     """A strict stand-in for the TensorRT 10 Python API: the builder calls are recorded; the "engine" it builds is
     the parsed ONNX graph run by ONNX Runtime on the CPU, behind TensorRT's runtime contracts:
@@ -30,6 +30,10 @@ def fake_tensorrt(
       sequence raises ``ContractError`` and is recorded in ``trt.violations``. ``execute_async_v3`` sleeps
       (the real one releases the GIL while it enqueues), so unserialised callers do collide.
     ``cache_from`` is the timing cache this "TensorRT" accepts; any other non-empty one is a mismatch.
+
+    INT8 as TensorRT takes it (explicit quantization): the parser accepts a Q/DQ graph only with signed int8 zero
+    points of 0 and records how many Q/DQ nodes it parsed; an implicit-quantization calibrator raises; TensorRT 11
+    (``version``) has no INT8 builder flag (networks are strongly typed).
     """
     import ctypes
     import threading
@@ -38,7 +42,8 @@ def fake_tensorrt(
     import onnxruntime as ort
 
     trt = types.ModuleType("tensorrt")
-    trt.__version__ = "10.13.0"
+    trt.__version__ = version
+    major = int(version.split(".")[0])
     trt.calls, trt.violations, trt.engines = [], [], []
     rec = trt.calls.append
     trt.float32, trt.float16, trt.int32, trt.int8 = "float32", "float16", "int32", "int8"
@@ -74,7 +79,17 @@ def fake_tensorrt(
             self.network = network
 
         def parse(self, data):
-            rec(("parse", len(data)))
+            import onnx
+            from onnx import TensorProto, numpy_helper
+
+            proto = onnx.load_model_from_string(data)
+            values = {i.name: i for i in proto.graph.initializer}
+            qdq = [n for n in proto.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+            for n in qdq:  # explicit quantization: symmetric int8 scales
+                zero = values[n.input[2]]
+                if zero.data_type != TensorProto.INT8 or numpy_helper.to_array(zero).any():
+                    raise ContractError(f"{n.name}: TensorRT takes Q/DQ with int8 zero points of 0")
+            rec(("parse", len(qdq)))
             self.network.data = data
             return parse_ok
 
@@ -92,8 +107,16 @@ def fake_tensorrt(
         def set_memory_pool_limit(self, pool, size):
             rec(("workspace", size))
 
+        def set_flag(self, flag):
+            if major >= 11 and flag == "INT8":
+                raise AttributeError("TensorRT 11 has no INT8 builder flag")
+            rec(("set_flag", flag))
+
         def clear_flag(self, flag):
             rec(("clear_flag", flag))
+
+        def set_int8_calibrator(self, calibrator):
+            raise ContractError("implicit quantization: an INT8 graph carries its own scales")
 
         def add_optimization_profile(self, profile):
             rec(("profile", profile.shapes))
@@ -233,7 +256,7 @@ def fake_tensorrt(
 
     trt.Logger, trt.OnnxParser, trt.Builder, trt.Runtime = Logger, Parser, Builder, Runtime
     trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE=0)
-    trt.BuilderFlag = types.SimpleNamespace(TF32="TF32")
+    trt.BuilderFlag = types.SimpleNamespace(TF32="TF32", **({"INT8": "INT8"} if major < 11 else {}))
     trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=1)
     return trt
 
