@@ -15,12 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import venv
 from pathlib import Path
 
 import httpx
 import pytest
+from support.server import wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR10 = ROOT / "models" / "cifar10"
@@ -90,17 +90,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
                                 env=serve_env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"capserve serve exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"capserve serve not ready after 180 s:\n{log.read_text()[-3000:]}")
+        wait_ready(proc, url, log, timeout=180)
         image = (ROOT / "tests" / "fixtures" / "cifar10-test-200.png").read_bytes()
         r = httpx.post(f"{url}/classify", files={"image": ("x.png", image, "image/png")}, timeout=60)
         assert r.status_code == 200, r.text
