@@ -55,6 +55,7 @@ from capserve.errors import DataError
 from capserve.model.checkpoint import CONFIG, save_model
 from capserve.model.factory import Model, load
 from capserve.plots import plot_confusion, plot_iterations
+from capserve.routing.fused import without_fused_kernel
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +63,30 @@ log = logging.getLogger(__name__)
 THRESHOLD_GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05 … 0.95
 
 
+# Below this many image runs (images × routing iteration counts) an evaluation routes eagerly: compiling the fused
+# attention kernel costs seconds per block shape (a full batch and the last, shorter one), which 500 test images at
+# T = 1..3 never pay back (measured: the compile was half of such an evaluation's time); a full CIFAR-10 test set
+# at T = 1..5 (50,000) does.
+FUSED_MIN_IMAGE_RUNS = 20_000
+
+
 @torch.no_grad()
 def predict_batches(model: Model, batches: Iterable[Tensor], iterations: Sequence[int | None],
-                    device: str | torch.device = "cpu") -> dict[int | None, Tensor]:  # fmt: skip
+                    device: str | torch.device = "cpu", images: int | None = None
+                    ) -> dict[int | None, Tensor]:  # fmt: skip
     """Logits (N, C) float32 on the CPU per routing iteration count, from uint8 image batches (b, C, H, W).
 
     Each batch runs at every T before the next is read, so a streaming ``batches`` keeps one batch in memory.
+    ``images``: how many images ``batches`` holds, when known; too few to pay for compiling the fused routing kernel
+    (``FUSED_MIN_IMAGE_RUNS``) and they route eagerly.
     """
+    short = images is not None and images * len(iterations) < FUSED_MIN_IMAGE_RUNS
+    with without_fused_kernel() if short else contextlib.nullcontext():
+        return _predict_batches(model, batches, iterations, device)
+
+
+def _predict_batches(model: Model, batches: Iterable[Tensor], iterations: Sequence[int | None],
+                     device: str | torch.device) -> dict[int | None, Tensor]:  # fmt: skip
     model.eval()
     c = model.config
     out: dict[int | None, list[Tensor]] = {T: [] for T in iterations}
@@ -92,7 +110,7 @@ def _slices(split: Split, batch_size: int, desc: str | None = None) -> Iterator[
 def predict_logits(model: Model, split: Split, iterations: int | None = None, batch_size: int = 250,
                    device: str | torch.device = "cpu") -> Tensor:  # fmt: skip
     """Logits (N, C) float32 on the CPU for every image of ``split`` after ``iterations`` routing iterations."""
-    return predict_batches(model, _slices(split, batch_size), [iterations], device)[iterations]
+    return predict_batches(model, _slices(split, batch_size), [iterations], device, len(split))[iterations]
 
 
 def single_label_metrics(logits: Tensor, targets: Tensor) -> dict[str, Any]:
@@ -169,7 +187,7 @@ def metrics(config: Any, logits: Tensor, targets: Tensor) -> dict[str, Any]:
 def evaluate(model: Model, split: Split, iterations: list[int], batch_size: int = 250,
              device: str | torch.device = "cpu") -> dict[int, dict[str, Any]]:  # fmt: skip
     """Metrics of ``model`` on ``split`` for each routing iteration count in ``iterations``."""
-    logits = predict_batches(model, _slices(split, batch_size, "evaluating"), iterations, device)
+    logits = predict_batches(model, _slices(split, batch_size, "evaluating"), iterations, device, len(split))
     return {T: metrics(model.config, logits[T], split.targets) for T in iterations}
 
 
@@ -203,7 +221,7 @@ def evaluate_own(model: Model, samples: Sequence[Sample], source: Path, iteratio
             kept.extend(index)
             yield torch.from_numpy(images)
 
-    logits = predict_batches(model, batches(), iterations, device)
+    logits = predict_batches(model, batches(), iterations, device, len(samples))
     failures.check()
     if not kept:
         raise DataError(f"no readable images to evaluate in {source}")

@@ -6,11 +6,13 @@ Used by ``capserve.routing.attention.routing_step`` where it pays (see ``FUSED_M
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
@@ -46,6 +48,18 @@ _FUSED_STATE = {"failed": False}
 
 
 _FUSED_LOCK = threading.Lock()
+_SKIPPED: ContextVar[bool] = ContextVar("capserve_fused_skipped", default=False)  # inside ``without_fused_kernel``
+
+
+@contextlib.contextmanager
+def without_fused_kernel() -> Iterator[None]:
+    """Route eagerly inside this block (this thread or task only): for work too short for the kernel's compile,
+    seconds per block shape, to pay back."""
+    token = _SKIPPED.set(True)
+    try:
+        yield
+    finally:
+        _SKIPPED.reset(token)
 
 
 def fused_block(u: Tensor, w: Tensor, q: Tensor) -> Tensor:
@@ -104,7 +118,7 @@ def fused_rows(u: Tensor, w: Tensor, q: Tensor, coefficient_bytes: int) -> tuple
     """The full fused blocks of a step (u (BP, N, r, X), w (N, X, Y, J), q (BP, r, Y, J)): their sums (n, D_out, J),
     and how many rows they cover from the first (0 where the kernel is off or cannot compile: the eager blocks then
     do every row)."""
-    if os.environ.get("CAPSERVE_FUSED_ROUTING", "1") == "0":
+    if os.environ.get("CAPSERVE_FUSED_ROUTING", "1") == "0" or _SKIPPED.get():
         return [], 0
     # at least two rows a block: the kernel's parallel loops are over its rows
     block = max(2, FUSED_BLOCK_BYTES // coefficient_bytes)

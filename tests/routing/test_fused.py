@@ -185,3 +185,20 @@ def test_steps_that_do_not_fuse(fused, monkeypatch, case):
             torch.testing.assert_close(new, unblocked_step(children, weight, parents, layer_norm)[0], rtol=0,
                                        atol=1e-10)  # fmt: skip
     assert fused == []
+
+
+def test_a_short_evaluation_routes_eagerly_and_a_long_one_through_the_kernel(fused, monkeypatch):
+    """``capserve evaluate`` of a few hundred images spent half its time compiling the kernel: below
+    ``FUSED_MIN_IMAGE_RUNS`` image runs it routes eagerly, with the same logits."""
+    from capserve.evaluate import FUSED_MIN_IMAGE_RUNS, predict_batches
+
+    monkeypatch.setattr(kernel, "FUSED_MIN_PARENTS", 1)
+    monkeypatch.setattr(kernel, "FUSED_BLOCK_BYTES", 1)  # blocks of two rows
+    monkeypatch.setattr(kernel, "_fused", lambda u, w, q: fused.append(tuple(u.shape)))  # records; None: eager
+    model = tiny_model("cifar10-simple")
+    images = (tiny_input(model, 4) * 40 + 120).clamp(0, 255).to(torch.uint8)
+    short = predict_batches(model, [images], [2], images=len(images))
+    assert fused == []
+    long = predict_batches(model, [images], [2], images=FUSED_MIN_IMAGE_RUNS)
+    assert fused  # the kernel was asked for (and, returning None here, left the rows to the eager blocks)
+    torch.testing.assert_close(short[2], long[2])
