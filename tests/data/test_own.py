@@ -20,10 +20,12 @@ from support.models import tiny_overrides
 from support.server import start_server, stop, wait_ready
 
 import capserve
+from capserve import evaluate as evaluate_module
 from capserve.cli import main
 from capserve.data.images import load_image, preprocess
 from capserve.data.own import CACHE_FILE, InputSize, Sample, build_cache, carve, scan
 from capserve.errors import DataError
+from capserve.routing import fused as kernel
 from capserve.runtime.metadata import ModelMetadata
 from capserve.train.config import TrainConfig
 from capserve.train.loop import train
@@ -313,6 +315,24 @@ def test_evaluate_a_folder_with_only_test_images(run, folder, tmp_path, capsys):
     assert report["images"] == 12 and report["results"]["2"]["support"] == dict.fromkeys(LABELS, 4)
     code = main(["train", "--model", "cifar10-simple", "--data", str(only), "--out", str(tmp_path / "r")])
     assert code == 2 and "has a val/ or test/ folder but no train/ folder" in capsys.readouterr().err  # training
+
+
+def test_a_short_evaluation_routes_eagerly(run, folder, monkeypatch, capsys):
+    """``capserve evaluate`` of 500 images at T = 1..3 spent over half its time compiling the fused routing kernel,
+    which so few images never pay back: below ``FUSED_MIN_IMAGE_RUNS`` it routes eagerly, above it the kernel runs."""
+    out, _ = run
+    calls = []
+    monkeypatch.setattr(kernel, "FUSED_MIN_VOTES", 1)  # every step of this tiny model would fuse
+    monkeypatch.setattr(kernel, "FUSED_MIN_PARENTS", 1)
+    monkeypatch.setattr(kernel, "FUSED_BLOCK_BYTES", 1)  # blocks of two rows
+    monkeypatch.setattr(kernel, "_fused", lambda u, w, q: calls.append(tuple(u.shape)))  # None: the rows go eager
+    argv = ["evaluate", str(out / "best"), "--data", str(folder), "--iterations", "1,2", "--json"]
+    assert main(argv) == 0
+    short = json.loads(capsys.readouterr().out)
+    assert calls == []
+    monkeypatch.setattr(evaluate_module, "FUSED_MIN_IMAGE_RUNS", 24)  # 12 images × 2 T: long enough now
+    assert main(argv) == 0
+    assert calls and json.loads(capsys.readouterr().out)["results"] == short["results"]
 
 
 @pytest.mark.parametrize("command", ["train", "evaluate"])

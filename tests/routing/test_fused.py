@@ -15,6 +15,7 @@ import torch
 from support.models import layer_norm, tiny_input, tiny_model, unblocked_step
 
 import capserve
+from capserve.evaluate import FUSED_MIN_IMAGE_RUNS, predict_batches
 from capserve.routing import fused as kernel
 from capserve.routing.attention import routing_step
 from capserve.routing.fused import FUSED_MIN_PARENTS, _fused
@@ -190,8 +191,6 @@ def test_steps_that_do_not_fuse(fused, monkeypatch, case):
 def test_a_short_evaluation_routes_eagerly_and_a_long_one_through_the_kernel(fused, monkeypatch):
     """``capserve evaluate`` of a few hundred images spent half its time compiling the kernel: below
     ``FUSED_MIN_IMAGE_RUNS`` image runs it routes eagerly, with the same logits."""
-    from capserve.evaluate import FUSED_MIN_IMAGE_RUNS, predict_batches
-
     monkeypatch.setattr(kernel, "FUSED_MIN_PARENTS", 1)
     monkeypatch.setattr(kernel, "FUSED_BLOCK_BYTES", 1)  # blocks of two rows
     monkeypatch.setattr(kernel, "_fused", lambda u, w, q: fused.append(tuple(u.shape)))  # records; None: eager
