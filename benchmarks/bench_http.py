@@ -411,14 +411,18 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
                 pause(server.proc.pid, False)
                 try:
                     run_wrk(server.url + path, upload, 8, 1)  # warm-up
-                    errors = 0
+                    errors: dict[str, int] = {}
                     for c in concurrency:
                         cpu = cpu_seconds(server.proc.pid)
                         result = run_wrk(server.url + path, upload, c, seconds)
                         cpu = cpu_seconds(server.proc.pid) - cpu
                         f[f"rps@{c}"].append(result["requests"] / result["seconds"])
                         f[f"p50@{c}"].append(result["p50_ms"])
-                        errors += sum(result[k] for k in ("connect", "read", "write", "status", "timeout"))
+                        kinds = {k: result[k] for k in ("connect", "read", "write", "timeout")}
+                        kinds |= {f"HTTP {code}": n for code, n in result.get("codes", {}).items()}  # non-2xx
+                        for kind, n in kinds.items():
+                            if n:
+                                errors[f"{kind} @ c={c}"] = errors.get(f"{kind} @ c={c}", 0) + int(n)
                         if c == busiest:
                             f["cpu"].append(1000 * cpu / max(result["requests"], 1))
                 finally:
@@ -444,7 +448,15 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
     for name, f in figures.items():
         cells = "".join(f"{np.median(f[f'rps@{c}']):12.1f}{np.median(f[f'p50@{c}']):8.1f}" for c in concurrency)
         ratio = np.median(np.array(f["rps@32"]) / np.array(f["raw"])) if "rps@32" in f else float("nan")
-        print(f"  {name:46s}{cells}{ratio:7.2f}{int(sum(f['errors'])):7d}{np.median(f['cpu']):7.2f}", flush=True)
+        total = sum(sum(e.values()) for e in f["errors"])
+        print(f"  {name:46s}{cells}{ratio:7.2f}{total:7d}{np.median(f['cpu']):7.2f}", flush=True)
+    for name, f in figures.items():  # which kind of error (socket errors, HTTP status codes), at which concurrency
+        kinds: dict[str, int] = {}
+        for e in f["errors"]:
+            for k, v in e.items():
+                kinds[k] = kinds.get(k, 0) + v
+        if kinds:
+            print(f"  errors of {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())), flush=True)
 
 
 def main() -> None:
