@@ -35,7 +35,7 @@ install-gpu:
 	.venv-gpu/bin/python -m pip install -q -e ".[gpu,train]" "pytest>=8" "httpx>=0.27"
 
 test: install
-	$(PY) -m pytest -q
+	TORCH_INDEX="$(TORCH_INDEX)" $(PY) -m pytest -q
 
 serve: install
 	cd $(CURDIR) && $(VENV)/bin/capserve serve --host 0.0.0.0 --port $(PORT)

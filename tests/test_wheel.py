@@ -53,7 +53,12 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     venv.create(tmp_path / "venv", with_pip=True)
     python = tmp_path / "venv" / "bin" / "python"
     pip = [str(python), "-m", "pip", "install", "-q"]
-    run([*pip, "torch==2.13.0"], tmp_path, env)  # the CPU build (a bare range would pull a multi-GB CUDA one)
+    # the CPU build as `make install` takes it (from PyPI the same pin is a multi-GB CUDA build); TORCH_INDEX
+    # overrides it as it does for make, and empty leaves pip's configuration alone. Few retries: a machine without
+    # that index's host (a local wheel in pip's find-links instead) would spend minutes retrying it
+    index = os.environ.get("TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
+    run([*pip, "torch==2.13.0", *(["--index-url", index] if index else []), "--retries", "1", "--timeout", "15"],
+        tmp_path, env)  # fmt: skip
     run([*pip, f"{wheel}[export,serve]"], tmp_path, env)
 
     work = tmp_path / "elsewhere"  # outside the checkout: nothing can import from the source tree
