@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="sgd (with momentum, default) or adam")
     p.add_argument("--lr", type=float, help="base learning rate (default: 0.1 for SGD, 1e-3 for Adam)")
     p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9; Adam takes none)")
-    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--weight-decay", type=float, help="L2 weight decay (default: 5e-4 for CIFAR/MNIST and with --init, "
+                   "2e-2 for your own images from scratch)")  # fmt: skip
     p.add_argument("--schedule", choices=SCHEDULES, default="step")
     p.add_argument("--amp", choices=tuple(AMP), default="off", help="autocast dtype (bf16 works on CPU too)")
     p.add_argument("--channels-last", action="store_true")

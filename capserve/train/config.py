@@ -38,6 +38,14 @@ MILESTONES = (150 / 350, 250 / 350)  # the authors' step epochs as fractions of 
 DEFAULT_VAL_SIZE = {"builtin": 5000, "own": 0.1}  # images for CIFAR/MNIST; a fraction of a user's training images
 
 
+# L2 weight decay without --weight-decay: the authors' 5e-4 for the built-in data sets and for fine-tuning (--init
+# starts from trained weights), 40 times more for a user's images trained from scratch: a few thousand images, often
+# without augmentation (capserve.data.augment), were memorised at 5e-4 (train exact match 99.96 %, validation loss
+# rising from epoch 14). Measured with `capserve train` (benchmarks/bench_own_data.py, docs/own-data.md): two-digit
+# pairs 65.0 / 75.2 / 84.4 % test exact match at 5e-4 / 5e-3 / 2e-2; MNIST digits 95.3 / - / 98.0 % top-1.
+DEFAULT_WEIGHT_DECAY = {"builtin": 5e-4, "own": 2e-2, "init": 5e-4}
+
+
 @dataclass
 class TrainConfig:
     """All choices of a training run (saved with every checkpoint, restored by ``--resume``)."""
@@ -51,7 +59,7 @@ class TrainConfig:
     lr: float | None = None  # None: the optimizer's own default (DEFAULT_LR)
     momentum: float | None = None  # SGD only; None: 0.9
     optimizer: str = "sgd"
-    weight_decay: float = 5e-4
+    weight_decay: float | None = None  # None: DEFAULT_WEIGHT_DECAY for the data (resolved by the training set-up)
     schedule: str = "step"
     amp: str = "off"
     channels_last: bool = False
@@ -96,6 +104,8 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.weight_decay is not None and self.weight_decay < 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.label_map and not self.init:
@@ -107,6 +117,11 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------------------------------------- schedule
+
+
+def default_weight_decay(own_data: bool, init: str | None) -> float:
+    """The weight decay a run uses without ``--weight-decay`` (see ``DEFAULT_WEIGHT_DECAY``)."""
+    return DEFAULT_WEIGHT_DECAY["init" if init else "own" if own_data else "builtin"]
 
 
 def lr_factor(schedule: str, progress: float, epoch: int, epochs: int) -> float:

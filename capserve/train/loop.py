@@ -67,7 +67,7 @@ from capserve.model.factory import build_model as model_from_config
 from capserve.model.factory import load as load_model
 from capserve.plots import plot_curves
 from capserve.routing.losses import training_loss
-from capserve.train.config import AMP, DEFAULT_VAL_SIZE, TrainConfig, lr_factor
+from capserve.train.config import AMP, DEFAULT_VAL_SIZE, TrainConfig, default_weight_decay, lr_factor
 from capserve.train.distributed import Dist, setup_distributed
 from capserve.train.state import _load_state, _provenance, _save_state, init_from
 
@@ -258,8 +258,10 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
     if cfg.augment is None:  # recorded in train_config.json (and every checkpoint) as resolved
         images = data.train.images if data.train is not None else None
         cfg = dataclasses.replace(cfg, augment=default_augment(dataset, images))
+    if cfg.weight_decay is None:  # likewise recorded as resolved
+        cfg = dataclasses.replace(cfg, weight_decay=default_weight_decay(manifest is not None, cfg.init))
     if d.main:
-        log.info("augmentation: %s", cfg.augment)
+        log.info("augmentation: %s; weight decay %g", cfg.augment, cfg.weight_decay)
     if manifest is not None and not cfg.init:  # --init keeps the mean/std its weights were trained with
         model.config = dataclasses.replace(model.config, **data_mean_std(data.train.images))
         log.info("mean/std from the %d training images: %s / %s", len(data.train), model.config.mean, model.config.std)
