@@ -261,8 +261,10 @@ class Capsules:
         settings = self.settings
 
         def overloaded() -> Any:
-            raise self.fail(503, f"the batching queue held this request over {settings.max_latency_ms} ms "
-                                 "(CAPSERVE_MAX_LATENCY_MS); retry later")  # fmt: skip
+            # BentoML's dispatcher sheds a request when its estimate of the wait (time queued + recent batch
+            # times for the queue ahead) reaches the budget, not only once the request has waited that long
+            raise self.fail(503, f"the server is overloaded: adaptive batching expects this request to wait over "
+                                 f"{settings.max_latency_ms} ms (CAPSERVE_MAX_LATENCY_MS); retry later")  # fmt: skip
 
         batch_runtime = self._batch_runtimes.get(multilabel, runtime)
         in_flight = self.batches_in_flight(multilabel)

@@ -30,7 +30,7 @@ STATUS_REASONS = {
     422: "an image under 8 pixels a side, or pixels with no defined conversion",
     500: "a fault of the server, never of the request (its log has the traceback)",
     501: "the route's model (multi-label, or explanation graph) is not served by this server",
-    503: "adaptive batching held the request over CAPSERVE_MAX_LATENCY_MS: retry later",
+    503: "overloaded: adaptive batching expects the request to wait over CAPSERVE_MAX_LATENCY_MS: retry later",
 }
 
 

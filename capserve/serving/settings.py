@@ -46,7 +46,7 @@ class Settings:
     precision: str = "auto"  # fp32 | bf16 (torch backend) | auto: bf16 where the CPU has native bf16 and torch serves
     bf16_min_agreement: float = MIN_AGREEMENT  # bf16 start-up check: least agreement with fp32, else fp32 is served
     max_batch_size: int = 32  # adaptive batching: largest merged batch; 1 turns batching off
-    max_latency_ms: int = 10_000  # adaptive batching: a request queued longer is dropped with a 503
+    max_latency_ms: int = 10_000  # adaptive batching: a request expected to wait longer is shed with a 503
     max_bytes: int = 8 * 2**20  # request body limit (413 above it)
     max_pixels: int = DEFAULT_MAX_PIXELS  # decoded image limit (413 above it: decompression bombs)
     max_images: int = 64  # images in one /classify_batch request
