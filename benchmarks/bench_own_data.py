@@ -14,9 +14,9 @@ each with the documented command (``capserve train`` in a subprocess) and print 
 3. ``mnist``: a single-label folder of MNIST digits (28×28 PNG). Target: >= 97 % top-1 on its test/ folder.
 
 Each run prints its command, its test score (``summary.json``'s ``test_acc``: top-1, or exact match with logits > 0),
-the augmentation it used, its training images/s and wall seconds. ``--augment a,b`` repeats each run per policy
-(``default`` = no flag). Everything is written under ``--work`` (a temporary folder by default, removed at the end).
-Timings on a shared machine are noisy; scores are of one seed.
+the augmentation and weight decay it used, its training images/s and wall seconds. ``--augment a,b`` repeats each
+run per policy and ``--weight-decay x,y`` per value (``default`` = no flag). Everything is written under ``--work``
+(a temporary folder by default, removed at the end). Timings on a shared machine are noisy; scores are of one seed.
 """
 
 from __future__ import annotations
@@ -105,11 +105,13 @@ def build_mnist_folder(data: Path, root: Path, n_train: int, n_test: int) -> Pat
 # ------------------------------------------------------------------------------------------------ runs
 
 
-def train(name: str, args: list[str], out: Path, augment: str) -> dict:
+def train(name: str, args: list[str], out: Path, augment: str, weight_decay: str = "default") -> dict:
     """``capserve train ARGS --out OUT`` in a subprocess; the figures of its summary and metrics."""
     cmd = [sys.executable, "-m", "capserve.cli", "train", *args, "--out", str(out)]
     if augment != "default":
         cmd += ["--augment", augment]
+    if weight_decay != "default":
+        cmd += ["--weight-decay", weight_decay]
     shown = " ".join(["capserve", *cmd[3:]])
     print(f"\n[{name}] {shown}", flush=True)
     t0 = time.perf_counter()
@@ -121,12 +123,13 @@ def train(name: str, args: list[str], out: Path, augment: str) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rates = sorted(r["images_per_s"] for r in rows)
-    result = {"run": name, "augment": summary.get("augment"), "test_acc": summary.get("test_acc"),
-              "best_val_acc": summary.get("best_val_acc"), "epochs": len(rows),
+    decay = json.loads((out / "train_config.json").read_text())["weight_decay"]
+    result = {"run": name, "augment": summary.get("augment"), "weight_decay": decay,
+              "test_acc": summary.get("test_acc"), "best_val_acc": summary.get("best_val_acc"), "epochs": len(rows),
               "median_images_per_s": rates[len(rates) // 2], "wall_s": round(wall, 1), "command": shown}  # fmt: skip
-    print(f"[{name}] augment {result['augment']}: test {100 * (result['test_acc'] or 0):.1f} %, best val "
-          f"{100 * (result['best_val_acc'] or 0):.1f} %, {result['median_images_per_s']:.1f} images/s (median epoch), "
-          f"{wall:.0f} s wall", flush=True)  # fmt: skip
+    print(f"[{name}] augment {result['augment']}, weight decay {decay:g}: test {100 * (result['test_acc'] or 0):.1f} "
+          f"%, best val {100 * (result['best_val_acc'] or 0):.1f} %, {result['median_images_per_s']:.1f} images/s "
+          f"(median epoch), {wall:.0f} s wall", flush=True)  # fmt: skip
     return result
 
 
@@ -136,6 +139,7 @@ def main() -> None:
     p.add_argument("--work", help="where to build the data and runs (default: a temporary folder, removed)")
     p.add_argument("--only", default="pairs,cifar,mnist", help="comma-separated: pairs, cifar, mnist")
     p.add_argument("--augment", default="default", help="comma-separated policies per run (default = no flag)")
+    p.add_argument("--weight-decay", default="default", help="comma-separated values per run (default = no flag)")
     p.add_argument("--init", default=str(REPO / "models" / "cifar10"), help="the model to fine-tune in part 2")
     p.add_argument("--pairs-train", type=int, default=3000)
     p.add_argument("--pairs-test", type=int, default=500)
@@ -161,8 +165,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     results = []
     try:
-        for policy in [s.strip() for s in a.augment.split(",")]:
-            tag = policy.replace("-", "")
+        for policy, decay in [(p, w) for p in a.augment.split(",") for w in a.weight_decay.split(",")]:
+            policy, decay = policy.strip(), decay.strip()
+            tag = policy.replace("-", "") + ("" if decay == "default" else f"-wd{decay}")
             if "pairs" in parts:
                 csv_path = work / "pairs" / "pairs.csv"
                 if not csv_path.is_file():
@@ -170,7 +175,8 @@ def main() -> None:
                 results.append(train("pairs", ["--model", "multimnist-matrix-small", "--data", str(csv_path),
                                                "--set", "image_size=32", "--epochs", str(a.pairs_epochs),
                                                "--batch-size", "64", "--lr", "0.05", "--schedule", "onecycle",
-                                               "--val-size", "0.1"], work / f"run-pairs-{tag}", policy))  # fmt: skip
+                                               "--val-size", "0.1"], work / f"run-pairs-{tag}", policy,
+                                     decay))  # fmt: skip
             if "cifar" in parts:
                 folder = work / "cifar64"
                 if not folder.is_dir():
@@ -178,11 +184,12 @@ def main() -> None:
                 common = ["--data", str(folder), "--epochs", str(a.cifar_epochs), "--batch-size", "32"]
                 results.append(train("cifar fine-tune, frozen backbone", ["--init", a.init, *common, "--lr", "0.02",
                                      "--schedule", "cosine", "--freeze", "backbone"], work / f"run-cifar-frozen-{tag}",
-                                     policy))  # fmt: skip
+                                     policy, decay))  # fmt: skip
                 results.append(train("cifar fine-tune", ["--init", a.init, *common, "--lr", "0.02", "--schedule",
-                                     "cosine"], work / f"run-cifar-ft-{tag}", policy))  # fmt: skip
+                                     "cosine"], work / f"run-cifar-ft-{tag}", policy, decay))  # fmt: skip
                 results.append(train("cifar from scratch", ["--model", "cifar10-simple", *common, "--lr", "0.1",
-                                     "--schedule", "onecycle"], work / f"run-cifar-scratch-{tag}", policy))  # fmt: skip
+                                     "--schedule", "onecycle"], work / f"run-cifar-scratch-{tag}", policy,
+                                     decay))  # fmt: skip
             if "mnist" in parts:
                 folder = work / "mnist"
                 if not folder.is_dir():
@@ -190,7 +197,7 @@ def main() -> None:
                 results.append(train("mnist", ["--model", "multimnist-matrix-small", "--data", str(folder),
                                                "--image-size", "32", "--epochs", str(a.mnist_epochs), "--batch-size",
                                                "64", "--lr", "0.05", "--schedule", "onecycle"],
-                                     work / f"run-mnist-{tag}", policy))  # fmt: skip
+                                     work / f"run-mnist-{tag}", policy, decay))  # fmt: skip
     finally:
         if not a.work:
             shutil.rmtree(work, ignore_errors=True)
