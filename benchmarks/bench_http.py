@@ -353,7 +353,7 @@ class RawMeter:
 
 
 def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, seconds: int,
-               concurrency: list[int], workers: list[int]) -> None:  # fmt: skip
+               concurrency: list[int], workers: list[int], peers: bool = True) -> None:  # fmt: skip
     """Issue #11's table, with capserve at each of ``workers`` (CAPSERVE_WORKERS): raw batch-32 throughput, then each
     server's req/s and p50 at each of ``concurrency`` (req/s at 32 also ÷ the raw figure measured just before), errors
     and server CPU ms per request at the largest concurrency (medians over interleaved rounds)."""
@@ -381,7 +381,7 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
             ("FastAPI + ORT defaults", "fastapi", fastapi, fastapi_env),
             ("FastAPI + ORT intra=cores inter=1", "fastapi", fastapi, {**fastapi_env, "PEER_CAREFUL": "1"}),
             ("LitServe, batching 32 / 5 ms", "litserve", [python, str(PEERS / "litserve_server.py"), onnx], {}),
-        ]:  # fmt: skip
+        ] if peers else []:  # fmt: skip
             try:
                 __import__(module)
                 peer = PeerServer(name, [*command, str(free_port())], tmp, png, env)
@@ -457,6 +457,11 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
                 kinds[k] = kinds.get(k, 0) + v
         if kinds:
             print(f"  errors of {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())), flush=True)
+    for server in started:  # capserve logs why adaptive batching shed requests (its estimate of their wait)
+        if isinstance(server, Server):
+            for line in server.log.read_text(errors="replace").splitlines():
+                if "adaptive batching has shed" in line:
+                    print(f"  capserve on port {server.port}: {line.strip()}", flush=True)
 
 
 def main() -> None:
@@ -487,6 +492,7 @@ def main() -> None:
         default=[1, 2],
         help="capserve servers in the table, one per CAPSERVE_WORKERS value (default %(default)s)",
     )
+    p.add_argument("--no-peers", action="store_true", help="the table without its peers: capserve servers only")
     args = p.parse_args()
     for config in args.configs:
         backend, _, precision = config.partition(":")
@@ -503,7 +509,7 @@ def main() -> None:
         multilabel = args.multilabel_model if (args.multilabel_model / "model.onnx").is_file() else None
         if not args.no_table:
             peer_table(model, multilabel, tmp, args.table_rounds, args.table_seconds, args.table_concurrency,
-                       args.table_workers)  # fmt: skip
+                       args.table_workers, peers=not args.no_peers)  # fmt: skip
             if args.table_only:
                 return
         meta = load_runtime(model / "model.onnx").metadata

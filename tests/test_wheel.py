@@ -22,6 +22,9 @@ import httpx
 import pytest
 from support.server import wait_ready
 
+from capserve.serving.settings import Settings
+from capserve.serving.workers import worker_count
+
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR10 = ROOT / "models" / "cifar10"
 
@@ -102,6 +105,9 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
         assert r.json()["model"] == "cifar10-resnet" and len(r.json()["predictions"]) == 5
         described = httpx.get(f"{url}/model", timeout=30).json()
         assert described["single_label"]["name"] == "cifar10-resnet" and described["multi_label"] is None
+        default = worker_count(Settings())  # CAPSERVE_WORKERS unset: auto, 2 workers on 2 cores or more
+        assert described["workers"] == default, described
+        assert described["lone_request_threads"] == described["threads"] * default  # idle cores are lent
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -8,7 +8,10 @@ need it (the model store, the adaptive batching engine, its exception types, its
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import logging
+import time
 from dataclasses import asdict
 from http import HTTPStatus
 from pathlib import Path
@@ -29,7 +32,10 @@ from capserve.serving.batching import (
     batch_runtime,
     batch_size_histogram,
     batches_for,
+    borrowing_runtime,
+    refit_batch_times,
 )
+from capserve.serving.cores import core_shares
 from capserve.serving.explain import heatmap_png, selectivity, vs_uniform
 from capserve.serving.guard import _request_error
 from capserve.serving.process import leave_failed_worker, report_failed_start
@@ -40,6 +46,8 @@ from capserve.serving.sources import EXPLAIN_ARTIFACT, ModelSource, has_routing,
 from capserve.serving.workers import Worker, assign
 
 log = logging.getLogger("capserve.service")
+
+SHED_LOG_SECONDS = 10.0  # at most one log line per endpoint this often about requests shed with a 503
 
 
 def top_labels(probabilities: np.ndarray, labels: tuple[str, ...], k: int, passed: np.ndarray | None = None
@@ -127,12 +135,21 @@ class Capsules:
                                              "one or 'none'")  # fmt: skip
             self.batching = settings.max_batch_size > 1
             self._batchers: dict[bool, Any] = {}  # multilabel → batched predict
+            self._dispatchers: dict[bool, Any] = {}  # multilabel → BentoML's CorkDispatcher behind it
             # multilabel → the runtime its adaptive batches run on (a separate ONNX Runtime session on CPUs)
             self._batch_runtimes: dict[bool, Runtime] = {}
             for multilabel, runtime in ((False, self.runtime), (True, self.multilabel_runtime)):
                 if runtime is not None and self.batching:
                     self._batch_runtimes[multilabel] = batch_runtime(runtime, settings)
             self._pending = {False: 0, True: 0}  # multilabel → single-image requests decoding, queued or running
+            # several CPU workers lend each other idle cores for lone requests (capserve.serving.cores): then
+            # multilabel → a session of the same graph on every worker's threads, for when this one borrows them
+            self.cores = core_shares(self.worker)
+            self._borrowing: dict[bool, Runtime] = {}
+            for multilabel, runtime in ((False, self.runtime), (True, self.multilabel_runtime)):
+                wide = borrowing_runtime(runtime, settings, self.worker) if self.cores and runtime else None
+                if wide is not None:
+                    self._borrowing[multilabel] = wide
             self._warm_up()
             for route, multilabel in ARRAY_ROUTES.items():
                 runtime = self.multilabel_runtime if multilabel else self.runtime
@@ -156,7 +173,8 @@ class Capsules:
         """One inference per loaded runtime (and explanation graph): readiness means a real answer came back."""
         try:
             served = (self.runtime, self.multilabel_runtime, self.explainer)
-            batch_sessions = [r for r in self._batch_runtimes.values() if all(r is not s for s in served)]
+            others = (*self._batch_runtimes.values(), *self._borrowing.values())
+            batch_sessions = [r for r in others if all(r is not s for s in served)]
             for runtime in (*served, *batch_sessions):
                 if runtime is None:
                     continue
@@ -183,16 +201,24 @@ class Capsules:
     def fail(self, status: int, message: str) -> Exception:
         return self.error(RequestError(status, message))
 
-    def predict(self, runtime: Runtime, pixels: np.ndarray) -> np.ndarray:
-        """uint8 (B, C, H, W) → float32 logits (B, classes); bad pixels or shapes are 400s."""
+    def predict(self, runtime: Runtime, pixels: np.ndarray, wide: Runtime | None = None) -> np.ndarray:
+        """uint8 (B, C, H, W) → float32 logits (B, classes); bad pixels or shapes are 400s. ``wide``: the same
+        graph on every worker's threads, run instead when this worker may borrow the others' idle cores."""
         if pixels.dtype != np.uint8:  # JSON tensors arrive as int64
             if pixels.dtype.kind not in "iu" or pixels.size == 0 or pixels.min() < 0 or pixels.max() > 255:
                 raise self.fail(400, f"images must be integer pixels in [0, 255], got {pixels.dtype} values")
             pixels = pixels.astype(np.uint8)
         try:
-            return runtime.predict(normalize_images(pixels, runtime.metadata))
+            x = normalize_images(pixels, runtime.metadata)
+            with self.running(wide is not None) as borrowed:
+                return (wide if borrowed and wide is not None else runtime).predict(x)
         except InputError as e:
             raise self.fail(400, str(e)) from e
+
+    def running(self, wide: bool = False) -> contextlib.AbstractContextManager[bool]:
+        """Around each inference: this worker's share of the cores (with ``wide``, every worker's when the others
+        are idle; yields whether it got them). One worker, or a GPU: nothing to share, never wide."""
+        return self.cores.running(wide) if self.cores else contextlib.nullcontext(False)
 
     async def run(self, function: Any, *args: Any) -> Any:
         """``function(*args)`` in a worker thread; its RequestErrors become ``error``'s exceptions."""
@@ -218,13 +244,15 @@ class Capsules:
         runtime = self.multilabel_model() if multilabel else self.runtime
         max_pixels = self.settings.max_pixels
 
-        def decode_and_predict() -> np.ndarray:
-            return self.predict(runtime, decode(image, runtime, max_pixels)[None])  # (1, classes)
+        def decode_and_predict() -> np.ndarray:  # a lone request: it may borrow idle workers' cores
+            pixels = decode(image, runtime, max_pixels)[None]  # (1, C, H, W)
+            return self.predict(runtime, pixels, wide=self._borrowing.get(multilabel))  # (1, classes)
 
-        if not self.batching:
-            return await self.run(decode_and_predict)
         self._pending[multilabel] += 1
+        self.publish_requests()
         try:
+            if not self.batching:
+                return await self.run(decode_and_predict)
             if self._pending[multilabel] == 1:
                 batch_size_histogram().labels(endpoint=ENDPOINTS[multilabel]).observe(1)
                 return await self.run(decode_and_predict)
@@ -236,6 +264,13 @@ class Capsules:
             return await self._batchers[multilabel](pixels[None])
         finally:
             self._pending[multilabel] -= 1
+            self.publish_requests()
+
+    def publish_requests(self) -> None:
+        """Tell the other workers how many single-image requests this one has in progress: a lone request borrows
+        their cores only when none has any (capserve.serving.cores)."""
+        if self.cores:
+            self.cores.requests(self._pending[False] + self._pending[True])
 
     def decode_small(self, image: Upload, runtime: Runtime) -> np.ndarray | None:
         """``image`` decoded right here, on the event loop, when it is small (``INLINE_DECODE_BYTES``,
@@ -260,9 +295,20 @@ class Capsules:
 
         settings = self.settings
 
+        shed = {"requests": 0, "logged": -float("inf")}
+
         def overloaded() -> Any:
             # BentoML's dispatcher sheds a request when its estimate of the wait (time queued + recent batch
             # times for the queue ahead) reaches the budget, not only once the request has waited that long
+            shed["requests"] += 1
+            if time.monotonic() - shed["logged"] >= SHED_LOG_SECONDS:  # one line per interval, not per request
+                shed["logged"] = time.monotonic()
+                optimizer = dispatcher.optimizer  # its fit of batch time = a · images + b, from recent batches
+                log.warning("/%s: adaptive batching has shed %d request(s) with a 503 so far: its estimate of "
+                            "their wait reached CAPSERVE_MAX_LATENCY_MS=%d ms (%d more queued; batch time "
+                            "estimated as %.2f ms per image + %.1f ms)", endpoint, shed["requests"],
+                            settings.max_latency_ms, len(getattr(dispatcher, "_queue", ())), 1e3 * optimizer.o_a,
+                            1e3 * optimizer.o_b)  # fmt: skip
             raise self.fail(503, f"the server is overloaded: adaptive batching expects this request to wait over "
                                  f"{settings.max_latency_ms} ms (CAPSERVE_MAX_LATENCY_MS); retry later")  # fmt: skip
 
@@ -271,6 +317,9 @@ class Capsules:
         dispatcher = CorkDispatcher(max_latency_in_ms=settings.max_latency_ms, max_batch_size=settings.max_batch_size,
                                     fallback=overloaded, get_batch_size=len, batch_dim=(0, 0),
                                     shared_sema=NonBlockSema(in_flight))  # fmt: skip
+        # its own least-squares fit of batch times turns one slow batch into seconds per image (refit_batch_times)
+        dispatcher.optimizer.trigger_refresh = functools.partial(refit_batch_times, dispatcher.optimizer)
+        self._dispatchers[multilabel] = dispatcher
         endpoint = ENDPOINTS[multilabel]
 
         async def infer(batches: list[np.ndarray]) -> list[np.ndarray]:
@@ -349,7 +398,9 @@ class Capsules:
         pixels = await self.run(decode, image, explainer, self.settings.max_pixels)
 
         def run() -> Explanation:
-            return explainer.explain(normalize_images(pixels[None], meta))
+            x = normalize_images(pixels[None], meta)
+            with self.running():
+                return explainer.explain(x)
 
         explanation = await self.run(run)
         probabilities = softmax(explanation.logits)[0]  # (C,)
@@ -389,6 +440,7 @@ class Capsules:
             "workers": self.worker.count,
             "device": self.worker.device,
             "threads": self.worker.threads,
+            "lone_request_threads": self.worker.threads * self.worker.count if self._borrowing else self.worker.threads,
             "single_label": model(self.runtime, self.source),
             "multi_label": model(self.multilabel_runtime, self.multilabel_source),
             "explain": model(self.explainer, self.source),

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from capserve.runtime import Runtime, load_runtime
 from capserve.serving.settings import Settings
-from capserve.serving.workers import available_cores
+from capserve.serving.workers import Worker, available_cores
 
 # An upload at most this large decodes on the event loop under load (≈ 0.05–0.15 ms for a 32×32 to 64×64 PNG or
 # JPEG), saving the hops to a worker thread and back: +10 % req/s on /multilabel at concurrency 32
@@ -55,6 +57,35 @@ def batch_runtime(runtime: Runtime, settings: Settings) -> Runtime:
     threads = settings.threads or available_cores()
     return load_runtime(runtime.path, "onnxruntime", settings.device,
                         threads=max(1, threads // batches_for(threads)))  # fmt: skip
+
+
+def borrowing_runtime(runtime: Runtime, settings: Settings, worker: Worker) -> Runtime | None:
+    """The session a lone request runs on when its worker has borrowed the other workers' idle cores
+    (capserve.serving.cores): the same ONNX Runtime graph on every worker's threads together (so never more than
+    the server's), spinning like the lone-request session. None for other backends: torch's threads are set for
+    the whole process, and TensorRT serves on GPUs."""
+    if runtime.backend != "onnxruntime" or settings.device != "cpu":
+        return None
+    options = {**lone_request_options(settings), "threads": worker.threads * worker.count}
+    return load_runtime(runtime.path, "onnxruntime", settings.device, **options)
+
+
+def refit_batch_times(optimizer: Any) -> None:
+    """Refit a BentoML adaptive-batching ``Optimizer``'s estimates from its recent batches (``o_stat``: images,
+    seconds, seconds the first request waited), robustly: per-image time = the median of seconds ÷ images, no fixed
+    part, wait = the median wait.
+
+    BentoML fits batch time = a · images + b by least squares and clips b at 0. Its batches are nearly all the same
+    size under load, so one slow batch (a paused process, a descheduled thread) tilts the line: measured in
+    ``benchmarks/bench_http.py``'s table, a went from 4 ms to 134–895 ms per image, the estimated wait of a queue of
+    a dozen requests passed ``CAPSERVE_MAX_LATENCY_MS`` (10 s) while real waits were 0.1–0.4 s, and requests were
+    shed with 503s; a large mean wait also kept batches corked until full. Medians ignore such outliers."""
+    if not optimizer.o_stat:
+        return
+    images, seconds, waits = np.array(optimizer.o_stat, dtype=np.float64).T  # (S,) each
+    optimizer.o_a = max(1e-6, float(np.median(seconds / np.maximum(images, 1))))
+    optimizer.o_b = 0.0
+    optimizer.wait = max(0.0, float(np.median(waits)))
 
 
 ENDPOINTS = {False: "classify", True: "multilabel"}  # multilabel → the endpoint label of the batch-size metric

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from capserve.errors import ConfigurationError
+from capserve.serving.cores import CORES_FOLDER_VARIABLE
 from capserve.serving.guard import QuietClientErrors
 from capserve.serving.settings import Settings
 from capserve.serving.workers import worker_count
@@ -39,6 +40,7 @@ def prepare_server_process() -> None:
 
     - A worker that cannot load its model signals the server process, which stops and exits with status 3
       (BentoML would respawn the worker forever, or stop with status 0: orchestrators would see success).
+    - Each server gets a folder for its workers' core locks (capserve.serving.cores).
     - Each server gets its own Prometheus folder: BentoML's default is one folder under BENTOML_HOME that
       every ``bentoml serve`` empties at start, resetting the ``/metrics`` of servers already running.
     - BentoML's ERROR-with-traceback for client errors is dropped (each is logged as one line instead).
@@ -51,6 +53,10 @@ def prepare_server_process() -> None:
     signal.signal(FAILED_START_SIGNAL, _on_failed_start)
     atexit.register(_exit_status)
     os.environ.setdefault(SERVER_PID_VARIABLE, str(os.getpid()))  # the server process: its workers inherit it
+    if CORES_FOLDER_VARIABLE not in os.environ:  # the server process: its workers share the core locks in it
+        cores = tempfile.mkdtemp(prefix="capserve-cores-")
+        os.environ[CORES_FOLDER_VARIABLE] = cores
+        atexit.register(shutil.rmtree, cores, True)
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:  # the server process (its workers inherit the variable)
         try:
             from bentoml._internal.configuration.containers import BentoMLContainer

@@ -113,6 +113,11 @@ class ServerDescription(BaseModel):
     workers: int = Field(ge=1, description="how many workers the server runs")
     device: str = Field(description="where this worker runs: cpu, or its GPU (cuda:N)")
     threads: int = Field(ge=1, description="intra-op threads of this worker's sessions")
+    lone_request_threads: int = Field(
+        ge=1,
+        description="threads a lone request may run on: every worker's when "
+        "several CPU workers lend each other idle cores, else this worker's",
+    )
     single_label: ServedModel
     multi_label: ServedModel | None
     explain: ServedModel | None

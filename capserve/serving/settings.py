@@ -14,8 +14,9 @@ from capserve.runtime.precision import MIN_AGREEMENT, PRECISIONS
 BACKENDS = ("onnxruntime", "torch", "tensorrt")
 
 
-# CAPSERVE_WORKERS's default on a CPU: see capserve.serving.workers and docs/deploy.md ("Workers") for what measured
-DEFAULT_WORKERS = 1
+# CAPSERVE_WORKERS's default: "auto" (capserve.serving.workers.worker_count; on a CPU up to MAX_AUTO_CPU_WORKERS);
+# docs/deploy.md ("Workers") has what was measured
+DEFAULT_WORKERS: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------------- settings

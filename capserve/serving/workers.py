@@ -17,9 +17,13 @@ from pathlib import Path
 from capserve.errors import ConfigurationError
 from capserve.serving.settings import Settings
 
-# What CAPSERVE_WORKERS=auto starts on a CPU: one worker per this many cores. Measured with
-# `benchmarks/bench_http.py --table-only` on a 2-core VM (docs/deploy.md, "Workers"): see DEFAULT_WORKERS.
+# What CAPSERVE_WORKERS=auto (the default) starts on a CPU: one worker per CORES_PER_CPU_WORKER cores, at most
+# MAX_AUTO_CPU_WORKERS. Measured with `benchmarks/bench_http.py --table-only` on a 2-core VM (docs/deploy.md,
+# "Workers"): 2 workers, lending each other idle cores (capserve.serving.cores), were level with 1 at concurrency 1
+# and ahead at 32 and 128. More workers than that were not measured, and each costs its own models and libraries
+# (~480 MB resident): set CAPSERVE_WORKERS to a number on larger nodes.
 CORES_PER_CPU_WORKER = 1
+MAX_AUTO_CPU_WORKERS = 2
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -76,7 +80,8 @@ def on_gpu(settings: Settings) -> bool:
 
 def worker_count(settings: Settings, cores: int | None = None, gpus: int | None = None) -> int:
     """``CAPSERVE_WORKERS`` resolved: the number given, or for ``auto`` one worker per visible GPU when serving on
-    ``cuda`` (one for a named ``cuda:N``), and on a CPU one per ``CORES_PER_CPU_WORKER`` cores."""
+    ``cuda`` (one for a named ``cuda:N``), and on a CPU one per ``CORES_PER_CPU_WORKER`` cores, at most
+    ``MAX_AUTO_CPU_WORKERS``."""
     if settings.workers is not None:
         return settings.workers
     if settings.device.startswith("cuda:"):
@@ -89,7 +94,7 @@ def worker_count(settings: Settings, cores: int | None = None, gpus: int | None 
                                      "set CAPSERVE_DEVICE=cpu, or CAPSERVE_WORKERS to a number")  # fmt: skip
         return gpus
     cores = available_cores() if cores is None else cores
-    return max(1, cores // CORES_PER_CPU_WORKER)
+    return min(max(1, cores // CORES_PER_CPU_WORKER), MAX_AUTO_CPU_WORKERS)
 
 
 @dataclass(frozen=True)

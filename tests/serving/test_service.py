@@ -594,6 +594,8 @@ def test_a_second_server_keeps_the_first_ones_metrics_and_answers_501_and_503(se
     finally:
         stop(proc)
     assert "path=/classify" in log.read_text(), "CAPSERVE_ACCESS_LOG=1: BentoML's access log line per request"
+    shed = [line for line in log.read_text().splitlines() if "adaptive batching has shed" in line]
+    assert len(shed) == 1 and "/classify" in shed[0] and "ms per image" in shed[0], shed  # one line, not one each
     assert "path=/classify" not in server.log_path.read_text(), "the access log is off by default"
 
 

@@ -324,6 +324,28 @@ def test_only_the_lone_request_session_spins_and_only_beside_a_batch_session(max
         assert batches is not runtime and not spins(batches)
 
 
+def test_one_slow_batch_does_not_make_adaptive_batching_shed_requests():
+    """BentoML fits batch time = a · images + b by least squares; under load the batches are nearly all one size,
+    and one slow batch (a paused process) made a seconds per image, so that a dozen queued requests were shed with
+    503s while real waits were 0.1 s. capserve's dispatchers refit with medians."""
+    from bentoml._internal.marshal.dispatcher import Optimizer
+
+    from capserve.serving.app import Capsules
+
+    capsules = Capsules(Settings(model=str(CIFAR10), multilabel_model="none", max_batch_size=32))
+    capsules._batcher(capsules.runtime, False)
+    optimizer, bentoml_fit = capsules._dispatchers[False].optimizer, Optimizer(10.0)
+    for sample in [(32, 0.08, 0.01)] * 20 + [(32, 60.0, 0.0)] + [(30, 0.075, 0.01)] * 10:  # (images, s, wait s)
+        optimizer.o_stat.append(sample)
+        bentoml_fit.o_stat.append(sample)
+    optimizer.trigger_refresh()
+    bentoml_fit.trigger_refresh()
+    queued = 12
+    assert bentoml_fit.o_a * queued + bentoml_fit.o_b >= 10.0  # BentoML's own fit: past the 10 s budget, shed
+    assert optimizer.o_a * queued + optimizer.o_b < 0.1
+    assert optimizer.o_a == pytest.approx(0.0025) and optimizer.wait == pytest.approx(0.01)
+
+
 def test_a_batching_torch_server_builds_its_fused_routing_kernels_before_it_is_ready(monkeypatch):
     """A full batch of cifar10-resnet at T = 3 fuses its second conv capsule layer's step, whose first call compiles
     (seconds): the warm-up runs one, so that no request waits on a compile."""

@@ -49,8 +49,10 @@ def test_workers_and_threads_settings():
 
 def test_auto_is_one_worker_per_gpu_on_cuda_and_per_cores_on_cpu():
     cpu = Settings(workers=None)
-    assert W.worker_count(cpu, cores=8) == 8 // W.CORES_PER_CPU_WORKER
-    assert W.worker_count(cpu, cores=1) == 1
+    assert Settings().workers is None  # auto is the default
+    assert W.worker_count(cpu, cores=2) == 2 // W.CORES_PER_CPU_WORKER == 2  # the default on the measured 2 cores
+    assert W.worker_count(cpu, cores=1) == 1  # never more workers than cores
+    assert W.worker_count(cpu, cores=64) == W.MAX_AUTO_CPU_WORKERS == 2  # no more than were measured
     assert W.worker_count(Settings(workers=None, device="cuda"), gpus=4) == 4
     assert W.worker_count(Settings(workers=None, device="cuda:2"), gpus=4) == 1  # a named GPU: one worker
     assert W.worker_count(Settings(workers=3, device="cuda"), gpus=4) == 3  # a number is a number
@@ -224,6 +226,7 @@ def test_two_workers_answer_split_the_cores_and_share_metrics(models, tmp_path):
         assert set(seen) == {0, 1}, f"only worker(s) {set(seen)} answered:\n{log.read_text()[-2000:]}"
         share = max(1, W.available_cores() // 2)
         assert all(m["workers"] == 2 and m["threads"] == share and m["device"] == "cpu" for m in seen.values())
+        assert all(m["lone_request_threads"] == 2 * share for m in seen.values())  # borrows the idle peer's cores
 
         before = requests_total(httpx.Client(base_url=url, timeout=30), "/classify")
 
