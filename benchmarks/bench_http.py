@@ -532,10 +532,11 @@ def main() -> None:
         try:
             for config in args.configs:
                 backend, precision = config.split(":")
-                for batching in args.batching:
+                for batching in args.batching:  # each with one worker, as docs/benchmarks.md measured
                     env = {"CAPSERVE_BACKEND": backend, "CAPSERVE_PRECISION": precision,
                            "CAPSERVE_MAX_BATCH_SIZE": str(max(args.concurrency)) if batching == "on" else "1",
-                           "CAPSERVE_MAX_LATENCY_MS": str(args.max_latency_ms)}  # fmt: skip
+                           "CAPSERVE_MAX_LATENCY_MS": str(args.max_latency_ms),
+                           "CAPSERVE_WORKERS": "1"}  # fmt: skip
                     servers[f"{config} batching {batching}"] = Server(model, multilabel, tmp, **env)
             for server in servers.values():
                 asyncio.run(load(server.url, bodies, 50, 8))  # warm-up
