@@ -10,9 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
-from support.models import tiny_model
-from support.server import export, random_png
+from support.server import random_png
 
 from capserve.serving import Capsules, Settings
 from capserve.serving import workers as W
@@ -117,14 +115,9 @@ def test_core_shares_only_for_several_cpu_workers_of_a_server(tmp_path, monkeypa
     assert core_shares(W.Worker(1, 2, "cpu", 1)) is None  # a Capsules made outside a server
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return export(tiny_model("cifar10-resnet"), tmp_path_factory.mktemp("cores") / "cifar10", explain=True)
-
-
-def test_a_lone_request_runs_on_every_workers_threads_when_the_peer_is_idle(model, tmp_path, monkeypatch):
+def test_a_lone_request_runs_on_every_workers_threads_when_the_peer_is_idle(tiny_cifar10, tmp_path, monkeypatch):
     monkeypatch.setenv(CORES_FOLDER_VARIABLE, str(tmp_path))
-    capsules = Capsules(Settings(model=str(model), multilabel_model="none"), worker=W.Worker(0, 2, "cpu", 1))
+    capsules = Capsules(Settings(model=str(tiny_cifar10), multilabel_model="none"), worker=W.Worker(0, 2, "cpu", 1))
     wide = capsules._borrowing[False]
     assert wide.session.get_session_options().intra_op_num_threads == 2  # both workers' threads, no more
     assert capsules.runtime.session.get_session_options().intra_op_num_threads == 1
@@ -149,8 +142,8 @@ def test_a_lone_request_runs_on_every_workers_threads_when_the_peer_is_idle(mode
     assert peer.peers_idle() is True  # nothing of ours in progress any more
 
 
-def test_one_worker_has_nothing_to_borrow(model, tmp_path, monkeypatch):
+def test_one_worker_has_nothing_to_borrow(tiny_cifar10, tmp_path, monkeypatch):
     monkeypatch.setenv(CORES_FOLDER_VARIABLE, str(tmp_path))
-    capsules = Capsules(Settings(model=str(model), multilabel_model="none"), worker=W.Worker(0, 1, "cpu", 2))
+    capsules = Capsules(Settings(model=str(tiny_cifar10), multilabel_model="none"), worker=W.Worker(0, 1, "cpu", 2))
     assert capsules.cores is None and not capsules._borrowing
     assert capsules.describe()["lone_request_threads"] == 2

@@ -14,9 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support.gpu import fake_tensorrt, strict_cuda, strict_onnxruntime_cuda
-from support.models import tiny_model
 from support.server import (
-    export,
     failed_start,
     random_png,
     requests_total,
@@ -103,16 +101,16 @@ def test_available_cores_honours_a_cgroup_cpu_limit(tmp_path):
     assert W.available_cores(v1) == affinity
 
 
-def test_one_worker_sessions_use_its_share_of_the_cores(models):
+def test_one_worker_sessions_use_its_share_of_the_cores(tiny_cifar10):
     """A worker's three ONNX Runtime sessions (lone requests, explanations, batches) run on its threads only."""
     worker = W.Worker(index=1, count=2, device="cpu", threads=2)
-    capsules = Capsules(Settings(model=str(models), multilabel_model="none"), worker=worker)
+    capsules = Capsules(Settings(model=str(tiny_cifar10), multilabel_model="none"), worker=worker)
     lone = capsules.runtime.session.get_session_options()
     explain = capsules.explainer.session.get_session_options()
     batch = capsules._batch_runtimes[False].session.get_session_options()
     assert (lone.intra_op_num_threads, explain.intra_op_num_threads, batch.intra_op_num_threads) == (2, 2, 1)
     assert capsules.batches_in_flight() == 2  # two one-thread batches: 2 threads, its share
-    one = Capsules(Settings(model=str(models), multilabel_model="none"), worker=W.Worker(0, 2, "cpu", 1))
+    one = Capsules(Settings(model=str(tiny_cifar10), multilabel_model="none"), worker=W.Worker(0, 2, "cpu", 1))
     assert one._batch_runtimes[False].session.get_session_options().intra_op_num_threads == 1
     assert one.batches_in_flight() == 1  # never two threads on a one-core share
     described = capsules.describe()
@@ -122,15 +120,10 @@ def test_one_worker_sessions_use_its_share_of_the_cores(models):
 # ------------------------------------------------------------------------------------------ GPU placement
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> Path:
-    return export(tiny_model("cifar10-resnet"), tmp_path_factory.mktemp("workers") / "cifar10", explain=True)
-
-
-def test_onnxruntime_cuda_worker_k_runs_every_session_on_gpu_k(models, monkeypatch):
+def test_onnxruntime_cuda_worker_k_runs_every_session_on_gpu_k(tiny_cifar10, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     sessions = strict_onnxruntime_cuda(monkeypatch, gpus=4)
-    settings = Settings(model=str(models), multilabel_model="none", device="cuda", workers=None)
+    settings = Settings(model=str(tiny_cifar10), multilabel_model="none", device="cuda", workers=None)
     count = W.worker_count(settings)
     assert count == 4
     for k in range(count):
@@ -142,7 +135,7 @@ def test_onnxruntime_cuda_worker_k_runs_every_session_on_gpu_k(models, monkeypat
         assert capsules.describe()["device"] == f"cuda:{k}"
 
 
-def test_tensorrt_worker_k_builds_its_engine_and_context_on_gpu_k(models, tmp_path, monkeypatch):
+def test_tensorrt_worker_k_builds_its_engine_and_context_on_gpu_k(tiny_cifar10, tmp_path, monkeypatch):
     import capserve.export.tensorrt as export_trt
     from capserve.export.tensorrt import build_engine
 
@@ -155,7 +148,7 @@ def test_tensorrt_worker_k_builds_its_engine_and_context_on_gpu_k(models, tmp_pa
     folder = tmp_path / "model"
     folder.mkdir()
     for name in ("config.json", "model.safetensors", "model.onnx", "model-explain.onnx"):
-        (folder / name).write_bytes((models / name).read_bytes())
+        (folder / name).write_bytes((tiny_cifar10 / name).read_bytes())
     build_engine(folder / "model.onnx", folder / "model.plan", 1, 8, 32)
     settings = Settings(model=str(folder), multilabel_model="none", backend="tensorrt", device="cuda", workers=None)
     for k in range(W.worker_count(settings)):
@@ -212,8 +205,8 @@ if os.environ.get("CAPSERVE_TEST_FAIL_WORKER"):
 
 
 @pytest.mark.slow
-def test_two_workers_answer_split_the_cores_and_share_metrics(models, tmp_path):
-    proc, url, log = start_server(tmp_path, CAPSERVE_MODEL=str(models), CAPSERVE_MULTILABEL_MODEL="none",
+def test_two_workers_answer_split_the_cores_and_share_metrics(tiny_cifar10, tmp_path):
+    proc, url, log = start_server(tmp_path, CAPSERVE_MODEL=str(tiny_cifar10), CAPSERVE_MULTILABEL_MODEL="none",
                                   CAPSERVE_WORKERS="2", CAPSERVE_MAX_BATCH_SIZE="8")  # fmt: skip
     try:
         wait_ready(proc, url, log)
@@ -246,17 +239,17 @@ def test_two_workers_answer_split_the_cores_and_share_metrics(models, tmp_path):
 
 
 @pytest.mark.slow
-def test_one_failing_worker_stops_the_whole_server_with_status_3(models, tmp_path):
+def test_one_failing_worker_stops_the_whole_server_with_status_3(tiny_cifar10, tmp_path):
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(FAIL_HOOK)
     root = str(Path(__file__).resolve().parents[2])
-    log = failed_start(tmp_path, CAPSERVE_MODEL=str(models), CAPSERVE_WORKERS="2", CAPSERVE_TEST_FAIL_WORKER="1",
+    log = failed_start(tmp_path, CAPSERVE_MODEL=str(tiny_cifar10), CAPSERVE_WORKERS="2", CAPSERVE_TEST_FAIL_WORKER="1",
                        PYTHONPATH=f"{hooks}:{root}")  # fmt: skip
     assert "worker 1: its GPU fell off the bus" in log
 
 
-def test_auto_workers_on_cuda_without_a_gpu_fails_startup_in_one_line(models, tmp_path):
-    log = failed_start(tmp_path, CAPSERVE_MODEL=str(models), CAPSERVE_WORKERS="auto", CAPSERVE_DEVICE="cuda",
+def test_auto_workers_on_cuda_without_a_gpu_fails_startup_in_one_line(tiny_cifar10, tmp_path):
+    log = failed_start(tmp_path, CAPSERVE_MODEL=str(tiny_cifar10), CAPSERVE_WORKERS="auto", CAPSERVE_DEVICE="cuda",
                        CUDA_VISIBLE_DEVICES="")  # fmt: skip
     assert "no GPU is visible" in log and "Traceback" not in log
