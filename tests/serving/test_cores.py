@@ -21,25 +21,29 @@ def shares(folder: Path, count: int) -> list[CoreShares]:
     return [CoreShares(folder, k, count) for k in range(count)]
 
 
-def entered_within(enter, seconds: float) -> bool:
-    """Whether ``enter()`` (a context manager's way in and out) gets through, in another thread, within ``seconds``."""
-    done = threading.Event()
+def in_a_thread(enter) -> tuple[threading.Event, threading.Thread]:
+    """Go through ``enter()`` (a context manager) in another thread: the event is set once it is in."""
+    inside = threading.Event()
 
     def go() -> None:
         with enter():
-            done.set()
+            inside.set()
 
-    threading.Thread(target=go, daemon=True).start()
-    return done.wait(seconds)
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return inside, thread
 
 
 def test_a_lone_inference_borrows_idle_workers_cores_and_peers_wait_for_it(tmp_path):
     first, second = shares(tmp_path, 2)
     with first.running(wide=True) as borrowed:
         assert borrowed
-        assert not entered_within(second.running, 0.3)  # its cores are lent: it waits
-        assert not entered_within(first.running, 0.3)  # the worker's own other work waits too
-    assert entered_within(second.running, 5)
+        peer, own = in_a_thread(second.running), in_a_thread(first.running)
+        assert not peer[0].wait(0.3)  # its cores are lent: it waits
+        assert not own[0].wait(0.1)  # the worker's own other work waits too
+    for inside, thread in (peer, own):  # both get in once the borrowed inference ends
+        assert inside.wait(5)
+        thread.join(5)
     with first.running(wide=True) as borrowed:  # released: lent again
         assert borrowed
 
@@ -70,7 +74,8 @@ def test_all_or_nothing_borrowing_across_three_workers(tmp_path):
     first, second, third = shares(tmp_path, 3)
     with third.running(), first.running(wide=True) as borrowed:
         assert not borrowed
-        assert entered_within(second.running, 5)  # the lock taken from `second` was given back
+        inside, _ = in_a_thread(second.running)
+        assert inside.wait(5)  # the lock taken from `second` was given back
 
 
 def test_cores_are_never_oversubscribed_under_random_load(tmp_path):
