@@ -21,7 +21,7 @@ from capserve.serving.settings import Settings
 # MAX_AUTO_CPU_WORKERS. Measured with `benchmarks/bench_http.py --table-only` on a 2-core VM (docs/deploy.md,
 # "Workers"): 2 workers, lending each other idle cores (capserve.serving.cores), were level with 1 at concurrency 1
 # and ahead at 32 and 128. More workers than that were not measured, and each costs its own models and libraries
-# (~480 MB resident): set CAPSERVE_WORKERS to a number on larger nodes.
+# (~480 MiB resident): set CAPSERVE_WORKERS to a number on larger nodes.
 CORES_PER_CPU_WORKER = 1
 MAX_AUTO_CPU_WORKERS = 2
 
