@@ -75,10 +75,11 @@ class ModelConfig:
     mean: tuple[float, ...] = CIFAR_MEAN
     std: tuple[float, ...] = CIFAR_STD
     # backbone: "resnet" = conv3×3-64 + 3 BasicBlocks@64 + 4@channels (first strided); "simple" = one conv3×3;
+    # "conv" = three conv3×3 + BatchNorm + ReLU (64 channels, then channels at backbone_stride, then channels);
     # "resnet18" = the standard CIFAR ResNet-18 body (conv3×3-c + [2, 2, 2, 2] BasicBlocks at c, 2c, 4c, 8c, strides
     # 1, 2, 2, 2, with c = backbone_channels, 64 in ResNet-18; backbone_stride unused), CNN heads only: the head
     # follows it directly (no primary or capsule layers to replace)
-    backbone: Literal["resnet", "simple", "resnet18"] = "resnet"
+    backbone: Literal["resnet", "simple", "conv", "resnet18"] = "resnet"
     backbone_channels: int = 128
     backbone_stride: int = 2
     # CNN heads use the backbone, primary and capsule layer sizes (types × pose_dim neurons) and ignore the rest:
@@ -96,6 +97,10 @@ class ModelConfig:
     iterations: int = 2
     routing: Literal["concurrent", "sequential"] = "concurrent"
     routing_algorithm: RoutingAlgorithm = "attention"
+    # the class capsule layer's transforms, when its children lie on a grid: one per child capsule, position
+    # included ("per_position", the paper's), or one per child type shared by every position ("shared": a part
+    # votes alike wherever it lies, for objects whose place varies; attention routing only)
+    class_weights: Literal["per_position", "shared"] = "per_position"
     layer_norm: bool = True  # ablation: False replaces LayerNorm by identity
     activations: bool = False  # ablation: children scaled by a learned sigmoid activation before voting
     # multi-label decision thresholds per class, calibrated on a validation split (None: 0.5 each)
@@ -124,6 +129,11 @@ class ModelConfig:
             raise ValueError(f"routing must be 'concurrent' or 'sequential', got {self.routing!r}")
         if self.routing_algorithm not in ROUTING_ALGORITHMS:
             raise ValueError(f"routing_algorithm must be one of {ROUTING_ALGORITHMS}, got {self.routing_algorithm!r}")
+        if self.class_weights not in ("per_position", "shared"):
+            raise ValueError(f"class_weights must be 'per_position' or 'shared', got {self.class_weights!r}")
+        if self.class_weights == "shared" and self.routing_algorithm != "attention":
+            raise ValueError(f"class_weights='shared' is attention routing's; {self.routing_algorithm} routing "
+                             "brings its own class layer")  # fmt: skip
         if self.routing_algorithm != "attention" and self.routing != "sequential":
             raise ValueError(
                 f"{self.routing_algorithm} routing runs all iterations of a layer before the next, as its paper "
@@ -244,6 +254,9 @@ MODELS: dict[str, ModelConfig] = {
     for c in (
         ModelConfig("cifar10-resnet", CIFAR10_LABELS, capsules=_cifar_layers()),
         ModelConfig("cifar10-simple", CIFAR10_LABELS, backbone="simple", capsules=_cifar_layers()),
+        # cifar10-simple's capsules on three conv + BatchNorm layers instead of one conv: the default for a user's
+        # own images, where one conv's features left the capsules far behind a plain CNN (docs/own-data.md)
+        ModelConfig("cifar10-conv", CIFAR10_LABELS, backbone="conv", capsules=_cifar_layers()),
         ModelConfig("cifar100-resnet", CIFAR100_LABELS, pose_dim=36, capsules=_cifar_layers((20,))),
         ModelConfig("cifar100-simple", CIFAR100_LABELS, backbone="simple", pose_dim=36, capsules=_cifar_layers((20,))),
         ModelConfig("multimnist-matrix", pose="matrix", **_MULTIMNIST),
@@ -264,6 +277,7 @@ MODELS: dict[str, ModelConfig] = {
         # the same on CIFAR-10 (cifar10-simple's sizes, 32 types × 16 = 512 channels): not a row of the paper's, the
         # CNN beside the routing algorithms on one backbone in benchmarks/bench_routing.py
         ModelConfig("cifar10-simple-cnn", CIFAR10_LABELS, backbone="simple", capsules=_cifar_layers(), head="avgpool"),
+        ModelConfig("cifar10-conv-cnn", CIFAR10_LABELS, backbone="conv", capsules=_cifar_layers(), head="avgpool"),
         # the paper's CIFAR-100 "baseline CNN" (62.30 %) on the simple backbone: cifar100-simple's layer sizes
         # (32 types × 36 = 1152 channels), average pooling (ours: the paper's text does not name this CNN's read-out)
         ModelConfig(

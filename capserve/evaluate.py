@@ -56,6 +56,7 @@ from capserve.model.checkpoint import CONFIG, save_model
 from capserve.model.factory import Model, load
 from capserve.plots import plot_confusion, plot_iterations
 from capserve.routing.fused import without_fused_kernel
+from capserve.runtime.outputs import labels_passed, multi_label_decisions, sigmoid
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +133,9 @@ def single_label_metrics(logits: Tensor, targets: Tensor) -> dict[str, Any]:
 
 
 def multi_label_metrics(logits: Tensor, targets: Tensor, thresholds: tuple[float, ...] | None) -> dict[str, Any]:
-    """Exact match (every class decided right) and per-class F1, deciding ``sigmoid(logit) > threshold``."""
-    thr = torch.tensor(thresholds if thresholds is not None else [0.5] * logits.shape[1])
-    pred = torch.sigmoid(logits) > thr  # (N, C)
+    """Exact match (every class decided right) and per-class F1, with the server's decision rule
+    (``capserve.runtime.outputs.multi_label_decisions``: probability at or above the threshold)."""
+    pred = torch.from_numpy(multi_label_decisions(logits.numpy(), thresholds))  # (N, C)
     truth = targets > 0.5  # (N, C)
     f1 = _f1(pred, truth)
     return {"exact_match": (pred == truth).all(dim=1).float().mean().item(), "f1": f1.tolist(),
@@ -157,12 +158,19 @@ def _f1(pred: Tensor, truth: Tensor) -> Tensor:
 
 
 def fit_thresholds(logits: Tensor, targets: Tensor, grid: tuple[float, ...] = THRESHOLD_GRID) -> tuple[float, ...]:
-    """Per class, the grid threshold with the best F1 on these (validation) logits; ties go to the value nearest 0.5."""
-    probs, truth = torch.sigmoid(logits), targets > 0.5
-    g = torch.tensor(grid)
-    scores = torch.stack([_f1(probs > t, truth) for t in g])  # (G, C)
+    """Per class, the grid threshold with the best F1 on these (validation) logits; ties go to the value nearest 0.5.
+
+    A class whose best F1 is no better than answering it for every image (what a low threshold does on a model that
+    has not learnt it) keeps 0.5: calibration must not turn "no signal" into "always yes"."""
+    probs, truth = sigmoid(logits.numpy()), targets > 0.5
+    g = torch.tensor(grid, dtype=torch.float64)  # the stored values exactly: a tie scores as evaluation decides
+    scores = torch.stack([_f1(torch.from_numpy(labels_passed(probs, float(t))), truth) for t in g])  # (G, C)
+    always = _f1(torch.ones_like(truth), truth)  # (C,): the F1 of answering every label for every image
     best = []
     for c in range(scores.shape[1]):
+        if scores[:, c].max() <= always[c] + 1e-9:
+            best.append(0.5)
+            continue
         top = scores[:, c] >= scores[:, c].max() - 1e-12
         candidates = g[top]
         best.append(round(float(candidates[(candidates - 0.5).abs().argmin()]), 4))

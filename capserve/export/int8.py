@@ -18,7 +18,9 @@ Steps, top to bottom:
    calibration images, the most sensitive weighted nodes are left in float, one at a time (at most
    ``MAX_FLOAT_NODES``).
 4. **Gate** (``score``): FP32 and INT8 graphs on the held-out images; top-1 (or label-set) agreement, and top-1
-   (or exact-match) accuracy of both. Below ``MIN_AGREEMENT`` the file is not written unless ``force``.
+   (or exact-match) accuracy of both. At or above ``MIN_AGREEMENT`` it passes; below it the file is not written
+   unless ``force``, and the refusal says what was measured (``diagnose``: fp32's margins, int8's logit error,
+   agreement per class, on the calibration images too) and the likelier causes in that light, in order.
 
 The file keeps capserve's metadata (``capserve.export.onnx.metadata_props``) with ``capserve.precision`` = ``int8``
 and ``capserve.int8``: JSON with the calibration and gate summary (``Int8Summary``), which ``capserve verify --int8``
@@ -48,6 +50,7 @@ import numpy as np
 from capserve.configs import ModelConfig
 from capserve.errors import ExportError, Int8GateError
 from capserve.runtime.metadata import METADATA_KEY, PRECISION_KEY, ModelMetadata
+from capserve.runtime.outputs import thresholds_or_default
 from capserve.runtime.precision import AgreementReport, compare_precisions, decisions
 
 from .onnx import read_metadata, set_metadata
@@ -121,7 +124,13 @@ def _own_data(path: Path, config: ModelConfig, count: int, gate_images: int) -> 
         rest, chosen = carve(train, count, False)
     held, split = next(((manifest.splits[s], s) for s in ("test", "val") if manifest.splits.get(s)),
                        ([train[i] for i in rest], "train images not used for calibration"))  # fmt: skip
-    held = held[:gate_images]
+    if len(held) > gate_images:  # a seeded draw, every label in its share: a folder's scan order is by label
+        held_stratified = manifest.task == "single_label" and all(len(s.labels) == 1 for s in held)
+        try:
+            _, drawn = carve(held, gate_images, held_stratified)
+        except ValueError:
+            _, drawn = carve(held, gate_images, False)
+        held = [held[i] for i in sorted(drawn)]
     calibration, _ = _decode([train[i] for i in chosen], config, manifest.source, "calibration images")
     targets = None
     held_out = np.zeros((0, *calibration.shape[1:]), np.uint8)
@@ -422,6 +431,90 @@ def score(fp32: Any, int8: Any, held_out: np.ndarray, targets: np.ndarray | None
     return GateReport(check, metric, accuracy(a, targets, meta), accuracy(b, targets, meta), split)
 
 
+def _logits(runtime: Any, images: np.ndarray, batch_size: int = 100) -> np.ndarray:
+    """``runtime``'s logits (N, C) for normalised images (N, C, H, W), in batches."""
+    return np.concatenate([runtime.predict(images[i : i + batch_size]) for i in range(0, len(images), batch_size)])
+
+
+def decision_margins(logits: np.ndarray, metadata: ModelMetadata) -> np.ndarray:
+    """How far each image (logits (N, C)) is from another decision, in logits: top-1 minus the runner-up
+    (single-label), or the distance of the logit nearest its threshold's logit (multi-label). (N,)"""
+    if metadata.task != "multi_label":
+        top = np.sort(logits.astype(np.float64), axis=1)
+        return top[:, -1] - top[:, -2] if logits.shape[1] > 1 else np.full(len(logits), np.inf)
+    t = np.clip(thresholds_or_default(metadata.thresholds, logits.shape[1]), 1e-12, 1 - 1e-12)
+    return np.abs(logits.astype(np.float64) - np.log(t / (1 - t))).min(axis=1)
+
+
+# Per-class agreements named in a refusal (the lowest first)
+SHOWN_CLASSES = 3
+
+
+def diagnose(held_out: tuple[np.ndarray, np.ndarray], calibration: tuple[np.ndarray, np.ndarray],
+             metadata: ModelMetadata, bound: float, calibration_data: str, max_float_nodes: int) -> str:  # fmt: skip
+    """Why an INT8 graph failed the gate, from the (fp32, int8) logits (N, C) of the held-out and of the calibration
+    images: what was measured, then the likelier causes in the order the measurements point to.
+
+    int8's error on its own calibration images is its rounding where the calibrated ranges fit; fp32's margins set
+    against it tell a model that decides by near-ties (weakly trained: any rounding flips them, no calibration
+    helps) from a quantization that is too coarse, and the calibration images' own agreement tells whether int8
+    fails only on images unlike those it was calibrated on."""
+    multi = metadata.task == "multi_label"
+    fp32, int8 = held_out
+
+    def agree(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # (N,): the same decision
+        return (decisions(a, metadata) == decisions(b, metadata)).all(axis=1)
+
+    def shift(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # (N,): how far int8 moves each image's logits
+        return np.abs(b.astype(np.float64) - a).max(axis=1)
+
+    margins, same = decision_margins(fp32, metadata), agree(fp32, int8)  # (N,), (N,)
+    agreement, calibration_agreement = float(same.mean()), float(agree(*calibration).mean())
+    rounding = float(np.median(shift(*calibration)))
+    reach = rounding * (1 if multi else 2)  # a flip of the top two moves both logits; a threshold decision one
+    near = float((margins <= reach).mean())  # the held-out images int8's rounding alone can flip
+    what = "the logit nearest its threshold" if multi else "top-1 minus runner-up logit"
+    measured = (f"fp32's margins ({what}): median {np.median(margins):.3g} over the {len(margins)} held-out images"
+                + (f", {np.median(margins[~same]):.3g} over the {int((~same).sum())} int8 decides otherwise"
+                   if (~same).any() else "")
+                + f"; on the calibration images int8 agrees on {calibration_agreement:.4f} and moves logits by "
+                  f"{rounding:.3g} (median of each image's max |Δlogit|; {np.median(shift(fp32, int8)):.3g} on the "
+                  f"held-out), within reach of another decision for {near:.0%} of the held-out images")  # fmt: skip
+    if multi:  # per label: that label's decision
+        per = (decisions(int8, metadata) == decisions(fp32, metadata)).mean(axis=0)  # (C,)
+        counts = np.full(len(per), len(fp32))
+        title = "agreement per label, lowest"
+    else:  # per class of fp32's answer
+        answer = fp32.argmax(1)
+        counts = np.bincount(answer, minlength=fp32.shape[1])
+        per = np.array([same[answer == c].mean() if counts[c] else np.inf for c in range(fp32.shape[1])])
+        title = "agreement per class of fp32's answer, lowest"
+    order = [c for c in np.argsort(per, kind="stable") if np.isfinite(per[c])][:SHOWN_CLASSES]
+    classes = ", ".join(f"{metadata.labels[c]} {per[c]:.2f} of {counts[c]}" for c in order)
+
+    weak = (f"the model decides by small margins (weakly trained?): {near:.0%} of the held-out images sit within "
+            "int8's rounding of another decision, and no calibration changes that; train it further, or lower "
+            "--min-agreement / pass --force if this fp32 model is the one to serve")  # fmt: skip
+    covered = calibration_agreement >= bound  # int8 holds on the images it was calibrated on
+    if covered:
+        unlike = (f"the calibration images ({calibration_data}) do not cover the held-out ones: int8 agrees with "
+                  f"fp32 on {calibration_agreement:.4f} of them but on {agreement:.4f} of the held-out; calibrate on "
+                  "images like the served ones, or on more of them (--calibration-images)")  # fmt: skip
+    else:
+        unlike = (f"the calibration images ({calibration_data}) may not look like the served ones (the least "
+                  f"likely: int8 disagrees on them too); calibrate on images like the served ones, or on more of "
+                  "them (--calibration-images)")  # fmt: skip
+    coarse = (f"some layers lose too much to int8 (it moves logits by up to {shift(fp32, int8).max():.3g}): leave "
+              f"the most sensitive in float (--max-float-nodes, {max_float_nodes} this time; or --keep-float NODE), "
+              "or try --calibration-method percentile")  # fmt: skip
+    if near >= 1 - bound:  # near-ties alone can account for failing the gate
+        causes = [weak, *((unlike, coarse) if covered else (coarse, unlike))]
+    else:
+        causes = [unlike, coarse, weak] if covered else [coarse, unlike, weak]
+    listed = "".join(f"\n  ({i}) {cause}" for i, cause in enumerate(causes, 1))
+    return f"Measured: {measured}; {title}: {classes}.\nLikelier causes, in order:{listed}"
+
+
 def _session(proto: Any) -> Any:
     """An ``OnnxRuntime`` for an in-memory graph (written to a temporary file: the runtime opens paths)."""
     import onnx
@@ -477,9 +570,10 @@ class Int8Summary:
 
 
 def fp32_graph(checkpoint: str | Path, model: Any, digest: str, iterations: int | None = None,
-               opset: int | None = None) -> Any:  # fmt: skip
-    """The FP32 ``onnx.ModelProto`` to quantize: the model directory's own ``model.onnx`` when it was exported from
-    these weights at this T (and opset, if one is asked for), else a fresh export (tracing takes tens of seconds)."""
+               opset: int | None = None, use: str = "to quantize") -> Any:  # fmt: skip
+    """The FP32 ``onnx.ModelProto`` to quantize (or, ``use``, to compare against): the model directory's own
+    ``model.onnx`` when it was exported from these weights at this T (and opset, if one is asked for), else a fresh
+    export (tracing takes tens of seconds)."""
     import onnx
 
     from capserve.export.onnx import DEFAULT_OPSET, export_onnx
@@ -498,7 +592,7 @@ def fp32_graph(checkpoint: str | Path, model: Any, digest: str, iterations: int 
         if (meta is not None and meta.weights_sha256 == digest and meta.iterations == T
                 and props.get(PRECISION_KEY, "fp32") == "fp32" and len(proto.graph.output) == 1
                 and opset in (None, version)):  # fmt: skip
-            log.info("int8: quantizing %s (same weights and T)", shipped)
+            log.info("int8: fp32 graph %s %s (same weights and T)", shipped, use)
             return proto
     with tempfile.TemporaryDirectory(prefix="capserve-int8-") as tmp:
         path = export_onnx(model, Path(tmp) / "fp32.onnx", iterations, opset=opset or DEFAULT_OPSET,
@@ -544,13 +638,15 @@ def export_int8(checkpoint: str | Path, output: str | Path, calibration: str | P
                                                                      keep_float)  # fmt: skip
         proto = quantizer.build(kept)
         float_nodes = quantizer.activation_products + kept
-    report = score(fp32, _session(proto), data.held_out, data.targets, data.split, min_agreement)
+    int8 = _session(proto)
+    report = score(fp32, int8, data.held_out, data.targets, data.split, min_agreement)
     log.debug("%s", report)
     searched = f"; left in float by the search: {', '.join(s.node for s in steps)}" if steps else ""
     if not report.passed and not force:
-        raise Int8GateError(f"not written: {report}{searched}. The calibration images may not look like the served "
-                            f"ones (check --calibration {calibration}); try more --calibration-images or "
-                            "--max-float-nodes, or pass --force to write it anyway")  # fmt: skip
+        why = diagnose((_logits(fp32, data.held_out), _logits(int8, data.held_out)),
+                       (_logits(fp32, data.images), _logits(int8, data.images)), fp32.metadata, min_agreement,
+                       f"{len(data.images)} of --calibration {calibration}", max_float_nodes)  # fmt: skip
+        raise Int8GateError(f"not written: {report}{searched}.\n{why}\nOr pass --force to write it anyway")
     c = report.check
     summary = Int8Summary(
         target=target, method=method, calibration=str(calibration), calibration_images=len(data.images),
@@ -595,7 +691,8 @@ def verify_int8(artifact: str | Path, checkpoint: str | Path, data: str | Path |
         log.warning("%s was exported from another weights file than %s", artifact, checkpoint)
     data = data or summary.calibration
     held = read_calibration(data, model.config, summary.calibration_images, gate_images)
-    fp32 = _session(fp32_graph(checkpoint, model, digest, int8.metadata.iterations))
+    # the reference, named so in the log: verifying quantizes nothing
+    fp32 = _session(fp32_graph(checkpoint, model, digest, int8.metadata.iterations, use="as the reference"))
     bound = summary.bound if min_agreement is None else min_agreement
     report = score(fp32, int8, held.held_out, held.targets, held.split, bound)
     print(

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -35,7 +36,7 @@ from capserve.configs import ModelConfig
 from capserve.errors import ExportError
 from capserve.hashing import file_sha256
 from capserve.model.capsnet import CapsNet, part_whole
-from capserve.model.checkpoint import WEIGHTS
+from capserve.model.checkpoint import WEIGHTS, not_learned_warning
 from capserve.runtime.metadata import CONFIG_KEY, LOGITS, METADATA_KEY, PART_WHOLE, PRECISION_KEY, ModelMetadata
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,11 @@ def weights_sha256(model: CapsNet) -> str:
 
 
 def load_checkpoint(checkpoint: str | Path) -> tuple[CapsNet, str]:
-    """A model directory's model (CPU, eval) and the SHA-256 of its weights file."""
+    """A model directory's model (CPU, eval) and the SHA-256 of its weights file (a warning for one whose training
+    run did not learn: exporting it is allowed, serving its answers is rarely what anyone wants)."""
+    warning = not_learned_warning(checkpoint)
+    if warning:
+        log.warning("%s", warning)
     model = capserve.load(checkpoint, "cpu")
     return model, file_sha256(Path(checkpoint) / WEIGHTS)
 
@@ -205,7 +210,14 @@ def export_onnx(model: CapsNet, path: str | Path, iterations: int | None = None,
     onnx.checker.check_model(proto, full_check=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(proto, str(path), save_as_external_data=False)
+    # written beside the destination, then renamed over it: an export killed or failing half-way leaves the file a
+    # server would load (a new one, or the one there before) whole
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        onnx.save_model(proto, str(partial), save_as_external_data=False)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     log.info("wrote %s (%s, T=%s, opset %d%s)", path, precision, T, opset, ", explain" if explain else "")
     return path
 

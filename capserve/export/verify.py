@@ -25,13 +25,13 @@ from capserve.data.preprocess import normalize_images
 from capserve.errors import UsageError
 from capserve.runtime import BACKENDS, Runtime, infer_backend, load_runtime
 from capserve.runtime.metadata import ModelMetadata
+from capserve.runtime.outputs import probabilities
 from capserve.runtime.precision import (
     MIN_AGREEMENT,
     PRECISIONS,
     SAMPLE_SIZE,
     agreement,
     decisions,  # noqa: F401  (importable from here, as before it moved)
-    probabilities,
     resolve_precision,
     sample_images,
 )

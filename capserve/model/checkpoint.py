@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 FORMAT_VERSION = 1
+NOT_LEARNED = "learned"  # the key under config.json's "training" that a run which did not beat the prior sets false
 
 
 def save_model(model: nn.Module, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
@@ -58,3 +59,21 @@ def read_config(directory: str | Path) -> ModelConfig:
         raise
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path} is not a valid capserve config: {e}") from e
+
+
+def not_learned_warning(directory: str | Path) -> str | None:
+    """A warning for a model folder whose training run did not beat the label prior (``"training": {"learned":
+    false}`` in its config.json, written by ``capserve train``); None for any other folder."""
+    path = Path(directory) / CONFIG
+    try:
+        training = json.loads(path.read_text()).get("training") or {}
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    if not isinstance(training, dict) or training.get(NOT_LEARNED) is not False:
+        return None
+    best, prior = training.get("best_val"), training.get("prior_val")
+    figures = f" (best validation {100 * best:.1f} %, label prior {100 * prior:.1f} %)" if best is not None else ""
+    return (
+        f"{directory} did not learn{figures}: its answers are no better than always giving the most common "
+        "label; retrain it (see `capserve train`'s log) before serving or exporting it"
+    )

@@ -219,7 +219,7 @@ class CapsuleLayer(nn.Module):
     """
 
     def __init__(self, config: CapsuleLayerConfig, in_types: int, in_size: int, pose: str, pose_dim: int,
-                 layer_norm: bool = True, activations: bool = False):  # fmt: skip
+                 layer_norm: bool = True, activations: bool = False, shared: bool = False):  # fmt: skip
         super().__init__()
         self.kind, self.kernel_size, self.stride = config.kind, config.kernel_size, config.stride
         self.types = config.types
@@ -231,11 +231,23 @@ class CapsuleLayer(nn.Module):
         else:
             n = in_types * max(in_size, 1) ** 2
             fan_in = n
+        # fc from a grid with ``shared``: one transform per child type, whatever its position (``votes_weight``)
+        self.positions = max(in_size, 1) ** 2 if shared and config.kind == "fc" else 1
         # the authors' init: N(0, 1) · √(J / (√D·N_in·K²)) for matrix poses (D_in in place of √D for vectors)
         std = math.sqrt(config.types / (x * fan_in))
+        n //= self.positions
         self.weight = nn.Parameter(torch.randn(n, config.types, x, y) * std)  # (N, J, X, Y), N = (kh, kw, I)
+
         self.norm = pose_norm(pose_dim, layer_norm)
         self.activation = nn.Linear(pose_dim, 1) if activations else None
+
+    def votes_weight(self) -> Tensor:
+        """The (N, J, X, Y) transforms of every child. Shared across positions, a type's transform is repeated at
+        each of the P positions (children in (H, W, I) order), so a part votes alike wherever it lies in the image:
+        with a transform per position, the same part seen at another place meets weights that never learnt it."""
+        if self.positions == 1:
+            return self.weight
+        return self.weight.repeat(self.positions, 1, 1, 1)  # (P·I, J, X, Y)
 
     def _activate(self, u: Tensor) -> Tensor:
         if self.activation is not None:
@@ -268,12 +280,11 @@ class CapsuleLayer(nn.Module):
             grid = uniform_conv_step(self._activate(u), self.weight, self.kernel_size, self.stride, self.norm)
             return grid, None
         children = self.group_children(u)
+        weight = self.votes_weight()  # (N, J, X, Y)
         if parents is None:
-            return self._grid(uniform_step(children, self.weight, self.norm), u), None
+            return self._grid(uniform_step(children, weight, self.norm), u), None
         B, J, D = parents.shape[0], parents.shape[-2], parents.shape[-1]
-        new, coefficients = routing_step(
-            children, self.weight, parents.reshape(B, -1, J, D), self.norm, keep_coefficients
-        )
+        new, coefficients = routing_step(children, weight, parents.reshape(B, -1, J, D), self.norm, keep_coefficients)
         return self._grid(new, u), coefficients
 
 

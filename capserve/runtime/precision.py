@@ -24,7 +24,7 @@ import numpy as np
 from capserve.errors import PrecisionError
 from capserve.runtime.base import Runtime
 from capserve.runtime.metadata import ModelMetadata
-from capserve.runtime.outputs import probabilities
+from capserve.runtime.outputs import multi_label_decisions
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,7 @@ def decisions(logits: np.ndarray, metadata: ModelMetadata) -> np.ndarray:
     """What a user acts on: the top-1 class (single-label), or every label past its threshold (multi-label)."""
     if metadata.task != "multi_label":
         return logits.argmax(1)[:, None]  # (B, 1)
-    thresholds = np.asarray(metadata.thresholds or [0.5] * len(metadata.labels))
-    return probabilities(logits, "multi_label") >= thresholds  # (B, C)
+    return multi_label_decisions(logits, metadata.thresholds)  # (B, C)
 
 
 def agreement(reference: np.ndarray, candidate: np.ndarray, metadata: ModelMetadata) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from capserve.errors import ConfigurationError  # noqa: F401
 from capserve.runtime.outputs import sigmoid, softmax  # noqa: F401  (were capserve.serving's)
+from capserve.serving.answers import classifications, multilabel_answers, top_labels  # noqa: F401
 from capserve.serving.app import (  # noqa: F401
     IMAGE_ERRORS,
     Capsules,
@@ -14,7 +15,6 @@ from capserve.serving.app import (  # noqa: F401
     Upload,
     decode,
     http_error,
-    top_labels,
 )
 from capserve.serving.batching import (  # noqa: F401
     BATCHES_IN_FLIGHT,

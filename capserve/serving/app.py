@@ -24,7 +24,8 @@ from capserve.data.images import ImageError, ImageTooLargeError, ImageTooSmallEr
 from capserve.data.preprocess import normalize_images
 from capserve.errors import ConfigurationError, InputError
 from capserve.runtime import Explanation, Runtime
-from capserve.runtime.outputs import sigmoid, softmax
+from capserve.runtime.outputs import softmax
+from capserve.serving.answers import classifications, multilabel_answers, top_labels
 from capserve.serving.batching import (
     ENDPOINTS,
     INLINE_DECODE_BYTES,
@@ -40,7 +41,7 @@ from capserve.serving.explain import heatmap_png, selectivity, vs_uniform
 from capserve.serving.guard import _request_error
 from capserve.serving.process import leave_failed_worker, report_failed_start
 from capserve.serving.routes import ARRAY_ROUTES, INPUT_SHAPES, NO_MULTILABEL_MODEL
-from capserve.serving.schemas import Capsule, Classification, Explained, Label, MultiLabel
+from capserve.serving.schemas import Capsule, Classification, Explained, MultiLabel
 from capserve.serving.settings import Settings
 from capserve.serving.sources import EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model
 from capserve.serving.workers import Worker, assign
@@ -48,15 +49,6 @@ from capserve.serving.workers import Worker, assign
 log = logging.getLogger("capserve.service")
 
 SHED_LOG_SECONDS = 10.0  # at most one log line per endpoint this often about requests shed with a 503
-
-
-def top_labels(probabilities: np.ndarray, labels: tuple[str, ...], k: int, passed: np.ndarray | None = None
-               ) -> list[Label]:  # fmt: skip
-    """The ``k`` most probable labels (of those ``passed``, a boolean mask, when given), most probable first."""
-    order = np.argsort(-probabilities, kind="stable")
-    if passed is not None:
-        order = order[passed[order]]
-    return [Label(label=labels[i], index=int(i), probability=float(probabilities[i])) for i in order[:k]]
 
 
 # ---------------------------------------------------------------------------- request errors
@@ -346,9 +338,7 @@ class Capsules:
     async def classify(self, image: Upload, top_k: int) -> Classification:
         meta = self.runtime.metadata
         self.check_top_k(top_k)
-        probabilities = softmax(await self.upload_logits(image))[0]  # (C,)
-        return Classification(model=meta.name, iterations=meta.iterations,
-                              predictions=top_labels(probabilities, meta.labels, top_k))  # fmt: skip
+        return classifications(await self.upload_logits(image), meta, top_k)[0]
 
     async def classify_batch(self, files: list[Upload], top_k: int) -> list[Classification]:
         meta, settings = self.runtime.metadata, self.settings
@@ -365,24 +355,12 @@ class Capsules:
             step = settings.max_batch_size
             return np.concatenate([self.predict(self.runtime, batch[i : i + step]) for i in range(0, len(batch), step)])
 
-        probabilities = softmax(await self.run(run))  # (B, C)
-        return [Classification(model=meta.name, iterations=meta.iterations,
-                               predictions=top_labels(p, meta.labels, top_k)) for p in probabilities]  # fmt: skip
+        return classifications(await self.run(run), meta, top_k)
 
     async def multilabel(self, image: Upload, threshold: float | None) -> MultiLabel:
         runtime = self.multilabel_model()
         meta = runtime.metadata
-        probabilities = sigmoid(await self.upload_logits(image, multilabel=True))[0]  # (C,)
-        if threshold is not None:
-            thresholds = np.full(len(meta.labels), threshold)
-        else:
-            thresholds = np.array(meta.thresholds if meta.thresholds is not None else [0.5] * len(meta.labels))
-        passed = top_labels(probabilities, meta.labels, len(meta.labels), probabilities >= thresholds)
-        return MultiLabel(
-            model=meta.name, iterations=meta.iterations, threshold=threshold, labels=passed,
-            probabilities={name: float(p) for name, p in zip(meta.labels, probabilities, strict=True)},
-            thresholds={name: float(t) for name, t in zip(meta.labels, thresholds, strict=True)},
-        )  # fmt: skip
+        return multilabel_answers(await self.upload_logits(image, multilabel=True), meta, threshold)[0]
 
     async def explain(self, image: Upload, capsules: int) -> Explained:
         explainer = self.explainer

@@ -36,12 +36,13 @@ class RequestGuard:
     """ASGI middleware in front of BentoML: a body size limit (413) and the image routes' body formats.
 
     The image routes take a multipart form (the API's parameters, the image(s) as file fields; parameters may also
-    be in the query string) or a raw ``image/*`` (or ``application/octet-stream``) body with the other parameters in
-    the query string. The body is parsed
-    here, once: malformed forms and file fields sent as text (which BentoML would fetch as URLs) get a 400, and any
-    other content type a 415. BentoML then receives the parameters as JSON, each image as a token for the bytes
-    parsed here (``guarded_upload``), instead of parsing the form a second time and writing each upload to a
-    temporary file for a ``Path`` parameter.
+    be in the query string) or a raw image body with the other parameters in the query string. The body is parsed
+    here, once: malformed forms and file fields sent as text (which BentoML would fetch as URLs) get a 400. An image
+    (a raw body or a file part) declared as ``image/*``, ``application/octet-stream`` or nothing at all is taken, and
+    its bytes decide (Pillow decodes them, or the request gets a 400): clients label files by their name, not their
+    content. One declared as another type (``text/plain``, ``application/json``...) gets a 415. BentoML then receives
+    the parameters as JSON, each image as a token for the bytes parsed here (``guarded_upload``), instead of parsing
+    the form a second time and writing each upload to a temporary file for a ``Path`` parameter.
     """
 
     def __init__(self, app: Any, max_bytes: int, file_fields: Mapping[str, str], get_routes: tuple[str, ...] = (),
@@ -137,7 +138,7 @@ class RequestGuard:
             headers_out = self._replace_headers(scope["headers"], "application/json", len(body))
             return await self.app({**scope, "headers": headers_out}, self._body_once(body, receive), send)
         if field is not None:
-            if media.startswith("image/") or media == "application/octet-stream":
+            if maybe_image(media):
                 if not body:
                     return await self._reply(send, 400, "the request body is empty; send an image")
                 try:
@@ -164,7 +165,7 @@ class RequestGuard:
                 return await self._reply(send, 400, f"the request body is empty; send an image as the multipart "
                                                     f"file field {field!r} or as a raw image/* body")  # fmt: skip
             else:
-                return await self._reply(send, 415, f"Content-Type {media or '(none)'!r} is not accepted here; send "
+                return await self._reply(send, 415, f"Content-Type {media!r} is not accepted here; send "
                                                     f"multipart/form-data with the file field {field!r}, or a raw "
                                                     "image/* body")  # fmt: skip
             known = self.parameters.get(path)
@@ -277,9 +278,10 @@ class RequestGuard:
                 return 400, f"the field {field!r} must be a file upload, not text"
             for value in values:
                 part_type = (value.content_type or "").split(";")[0].strip().lower()
-                if not part_type.startswith("image/"):
-                    return 415, (f"the file part {field!r} has Content-Type {part_type or '(none)'!r}; send it as "
-                                 "image/* (e.g. curl -F 'image=@cat.png;type=image/png')")  # fmt: skip
+                if not maybe_image(part_type):
+                    return 415, (f"the file part {field!r} is declared as {part_type!r}, not an image; send it as "
+                                 "image/* (e.g. curl -F 'image=@cat.png;type=image/png'), application/octet-stream "
+                                 "or without a Content-Type")  # fmt: skip
             images = [await value.read() for value in values]
             parameters = {}
             for name in form:
@@ -290,6 +292,17 @@ class RequestGuard:
         finally:
             await form.close()
         return parameters, images
+
+
+# what a client declares for a file it knows nothing about: curl for a name without a known extension, Python's
+# requests for a plain file tuple (no Content-Type at all); Pillow then decides from the bytes
+UNTYPED = ("application/octet-stream", "")
+
+
+def maybe_image(media: str) -> bool:
+    """Whether an upload declared as ``media`` (lower case, no parameters; "" when none) may hold an image, to be
+    decided by its bytes; False for a declared type that is not an image (the 415)."""
+    return media.startswith("image/") or media in UNTYPED
 
 
 _JSON_TYPES = {dict: "object", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
@@ -360,6 +373,11 @@ def error_message(status: int, body: bytes) -> str:
     return message if isinstance(message, str) else json.dumps(message)
 
 
+# 5xx statuses that are a documented state of the server, not a fault: a route whose model it was started without.
+# Logged as a warning, like a client's mistake; ERROR (and a traceback) stays for what needs an operator.
+EXPECTED_SERVER_STATES = (501,)
+
+
 def one_error_shape(scope: dict, send: Any) -> Any:
     """An ASGI send() that rewrites every error response to ``{"error": "..."}`` and logs it as one line
     (method, path, status, reason); other responses pass through untouched. BentoML replaces the message of its
@@ -369,7 +387,8 @@ def one_error_shape(scope: dict, send: Any) -> Any:
         status = held_start["status"]
         known = _request_error.get() or {}
         reason = known.get("message") or error_message(status, held_body)  # BentoML hides 5xx messages
-        (log.warning if status < 500 else log.error)("%s %s %d %s", scope["method"], scope["path"], status, reason)
+        level = logging.WARNING if status < 500 or status in EXPECTED_SERVER_STATES else logging.ERROR
+        log.log(level, "%s %s %d %s", scope["method"], scope["path"], status, reason)
         start, body = _json_response(status, reason)
         start["headers"] += [(k, v) for k, v in held_start.get("headers", [])
                              if k.lower() not in (b"content-type", b"content-length")]  # fmt: skip
@@ -383,8 +402,8 @@ _request_error: ContextVar[dict[str, str] | None] = ContextVar("capserve_request
 
 
 class QuietClientErrors(logging.Filter):
-    """Drops BentoML's "Exception on PATH" ERROR record (with traceback) for client errors (4xx, validation):
-    ``one_error_shape`` logs each of them as one line instead. Server errors keep their traceback."""
+    """Drops BentoML's "Exception on PATH" ERROR record (with traceback) for client errors (4xx, validation) and the
+    expected 501s: ``one_error_shape`` logs each of them as one line instead. Server errors keep their traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
@@ -393,4 +412,4 @@ class QuietClientErrors(logging.Filter):
         if type(error).__name__ == "ValidationError":  # pydantic's: the request's fields
             return False
         code = getattr(error, "error_code", None)
-        return not (code is not None and 400 <= int(code) < 500)
+        return not (code is not None and (400 <= int(code) < 500 or int(code) in EXPECTED_SERVER_STATES))

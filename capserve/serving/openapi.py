@@ -26,12 +26,18 @@ STATUS_REASONS = {
     401: "no API key, or not one of CAPSERVE_API_KEYS: send 'Authorization: Bearer KEY'",
     405: "a method the route does not answer",
     413: "a body over CAPSERVE_MAX_BYTES, an image over CAPSERVE_MAX_PIXELS, or more than CAPSERVE_MAX_IMAGES images",
-    415: "a Content-Type the route does not take (or a file part that is not image/*)",
+    415: "a Content-Type the route does not take, or an image (file part or raw body) declared as a type that is not "
+    "an image (an image is sent as image/*, application/octet-stream or without a Content-Type: its bytes decide)",
     422: "an image under 8 pixels a side, or pixels with no defined conversion",
     500: "a fault of the server, never of the request (its log has the traceback)",
     501: "the route's model (multi-label, or explanation graph) is not served by this server",
     503: "overloaded: adaptive batching expects the request to wait over CAPSERVE_MAX_LATENCY_MS: retry later",
 }
+
+
+# A file part's media types as OpenAPI 3.0 writes a list (encoding.contentType): what RequestGuard's ``maybe_image``
+# takes besides a part without one
+IMAGE_PART_TYPES = "image/*, application/octet-stream"
 
 
 # API route → the statuses it answers besides 200, 405 and 500 (and 401 when API keys are set)
@@ -151,8 +157,12 @@ def contract(document: dict[str, Any], secured: bool, input_shapes: Mapping[str,
             if form is not None:
                 for name, field in form["schema"]["properties"].items():
                     if field.get("format") == "binary" or field.get("items", {}).get("format") == "binary":
-                        form.setdefault("encoding", {})[name] = {"contentType": "image/*"}
-                        field["description"] = "an image file (PNG, JPEG, BMP, GIF, WebP…) sent as image/*"
+                        # RequestGuard takes these and lets Pillow decide from the bytes (IMAGE_PART_TYPES)
+                        form.setdefault("encoding", {})[name] = {"contentType": IMAGE_PART_TYPES}
+                        field["description"] = ("an image file (PNG, JPEG, BMP, GIF, WebP…) sent as image/*, "
+                                                "application/octet-stream or without a Content-Type: Pillow decides "
+                                                "from the bytes (400 when they are not an image); a part declared as "
+                                                "another type is answered 415")  # fmt: skip
                 form["schema"]["additionalProperties"] = False
             operation["responses"] = responses
             if secured:

@@ -8,9 +8,12 @@ from typing import Any
 
 from capserve.serving.settings import Settings
 
+# Both ways to start a server with one: `capserve serve MODEL` alone serves no multi-label model, and its users know
+# the option, not the variable (which `make serve`, `bentoml serve` and containers read)
 NO_MULTILABEL_MODEL = (
-    "no multi-label model is served: start the server with CAPSERVE_MULTILABEL_MODEL set to a "
-    "multi_label model directory or model-store tag"
+    "no multi-label model is served: start the server with one, `capserve serve MODEL --multilabel-model "
+    "MULTILABEL_MODEL` (or CAPSERVE_MULTILABEL_MODEL=MULTILABEL_MODEL for `make serve` and `bentoml serve`), "
+    "MULTILABEL_MODEL being a multi_label model directory, .onnx file or model-store tag"
 )
 
 

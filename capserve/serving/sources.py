@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from capserve.errors import ConfigurationError, PrecisionError, RuntimeLoadError
+from capserve.model.checkpoint import not_learned_warning
 from capserve.runtime import Runtime, load_runtime
 from capserve.runtime.precision import open_torch, resolve_precision
 from capserve.serving.batching import lone_request_options
@@ -73,6 +74,9 @@ def open_model(spec: str, settings: Settings, explain: bool = True) -> tuple[Run
                                  "CAPSERVE_MULTILABEL_MODEL to a directory made by `capserve train` or "
                                  "model.save(dir), an exported .onnx file, or save one to the store with "
                                  "`capserve export bentoml DIR --name NAME`")  # fmt: skip
+    warning = not_learned_warning(path)
+    if warning:
+        log.warning("%s", warning)
     try:
         if settings.backend == "torch":
             if settings.threads and settings.device == "cpu":

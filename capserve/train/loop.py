@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from capserve.configs import ModelConfig, get_config
-from capserve.data.augment import apply_augment, default_augment
+from capserve.data.augment import apply_augment, augment_reason, default_augment
 from capserve.data.builtin import Data, dataset_for, load_test, load_training
 from capserve.data.own import (
     CACHE_FILE,
@@ -61,13 +62,14 @@ from capserve.data.own import (
 )
 from capserve.data.preprocess import normalize
 from capserve.data.splits import Split
-from capserve.model.checkpoint import save_model
+from capserve.model.checkpoint import CONFIG, NOT_LEARNED, save_model
 from capserve.model.factory import Model
 from capserve.model.factory import build_model as model_from_config
 from capserve.model.factory import load as load_model
 from capserve.plots import plot_curves
 from capserve.routing.losses import training_loss
-from capserve.train.config import AMP, DEFAULT_VAL_SIZE, TrainConfig, default_weight_decay, lr_factor
+from capserve.runtime.outputs import multi_label_decisions
+from capserve.train.config import AMP, DEFAULT_LR, DEFAULT_VAL_SIZE, TrainConfig, lr_factor, resolve_recipe
 from capserve.train.distributed import Dist, setup_distributed
 from capserve.train.state import _load_state, _provenance, _save_state, init_from
 
@@ -78,12 +80,19 @@ log = logging.getLogger(__name__)
 
 
 def make_optimizer(model: Model, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """SGD with momentum (the default, the authors'), or Adam; both with L2 weight decay ``cfg.weight_decay``, over
-    the parameters that train (``--freeze backbone`` leaves the backbone's out: no decay pulls them either)."""
+    """The run's optimizer (``cfg`` resolved by ``resolve_recipe``): SGD with momentum (the authors'), Adam (both with
+    L2 weight decay) or AdamW (decoupled weight decay, none on biases and normalisation gains: shrinking those only
+    costs fit), over the parameters that train (``--freeze backbone`` leaves the backbone's out)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "adamw":
+        groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]  # fmt: skip
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    raise ValueError(f"optimizer {cfg.optimizer!r} is not resolved: call resolve_recipe first")
 
 
 # ------------------------------------------------------------------------------------------------- metrics
@@ -98,14 +107,40 @@ def improves(acc: float, loss: float | None, best_acc: float | None, best_loss: 
     return acc == best_acc and loss is not None and (best_loss is None or loss < best_loss)
 
 
+def prior_score(train_targets: Tensor, val_targets: Tensor) -> tuple[float, str]:
+    """The validation score of always answering the training split's most common label (or, multi-label, its most
+    common label set): what a model that learned nothing from the images reaches. (score, that answer's index)."""
+    if train_targets.ndim == 2:  # multi-hot (N, C)
+        sets, counts = torch.unique(train_targets.cpu() > 0.5, dim=0, return_counts=True)
+        common = sets[counts.argmax()]  # (C,)
+        score = ((val_targets.cpu() > 0.5) == common).all(dim=1).float().mean().item()
+        return score, ",".join(str(i) for i in common.nonzero().flatten().tolist())
+    common = torch.bincount(train_targets.cpu()).argmax()
+    return (val_targets.cpu() == common).float().mean().item(), str(common.item())
+
+
+def has_learned(best: float, prior: float, n: int) -> bool:
+    """Whether a best validation score ``best`` over ``n`` images is clearly above the ``prior`` score: by more than
+    two standard errors of a score at the prior (a chance difference in a small validation split is not learning)
+    and by at least one image."""
+    return best > prior + 2 * math.sqrt(max(prior * (1 - prior), 0.0) / max(n, 1)) + 1 / max(n, 1)
+
+
+ADAM_LR_WARNING = 1e-2  # an Adam(W) lr above this is almost always an SGD lr given by habit
+
+MEMORISING_GAP = 0.3  # train minus validation score above which the log names a run as memorising
+
+
 def loss_and_hits(logits: Tensor, targets: Tensor, config: ModelConfig, progress: float = 1.0) -> tuple[Tensor, Tensor]:
     """Mean loss (``config``'s routing's own, ``capserve.routing.losses``) and the number of correct images (top-1, or
-    exact match of logits > 0 for multi-label); ``progress`` is the fraction of training done (for schedules)."""
+    exact match under the server's decision rule and the config's thresholds for multi-label); ``progress`` is the
+    fraction of training done (for schedules)."""
     logits = logits.float()
     multi_label = config.task == "multi_label"
     loss = training_loss(config)(logits, targets, multi_label, progress)
     if multi_label:
-        hits = ((logits > 0) == (targets > 0.5)).all(dim=1).sum()
+        decided = torch.from_numpy(multi_label_decisions(logits.detach().cpu().numpy(), config.thresholds))
+        hits = (decided.to(targets.device) == (targets > 0.5)).all(dim=1).sum()
     else:
         hits = (logits.argmax(dim=1) == targets).sum()
     return loss, hits
@@ -227,8 +262,6 @@ class Run:
 def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.device) -> Run:
     """The data (built-in or the user's own), the model (``--init`` applied), its optimizer, and the state to start
     from (``--resume``)."""
-    if cfg.batch_size % d.world:
-        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes {d.world}")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         torch.set_float32_matmul_precision("high")
@@ -243,6 +276,10 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
             log.info("validation: %d images carved from %s's training images (seed 0)", carved, manifest.source)
     elif cfg.label_separator is not None:
         raise ValueError(f"--label-separator is for a CSV of your own images; {cfg.data} holds built-in dataset files")
+    batch_given = cfg.batch_size is not None
+    cfg = resolve_recipe(cfg, own_data=manifest is not None)  # recorded in train_config.json as resolved
+    if cfg.batch_size % d.world:
+        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes {d.world}")
     model = build_model(cfg, manifest)
     dataset = model.config.extra["data"]["dataset"]
     init = init_from(model, cfg.init, cfg.label_map) if cfg.init and resume is None else None
@@ -253,15 +290,23 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
         data, test_split, skipped = load_own_training(manifest, model, out, d, device)
     else:
         data = load_training(dataset, cfg.data, val_size_of(cfg, own=False), cfg.epoch_size, device)
+    if data.epoch_size < cfg.batch_size and not batch_given and data.epoch_size >= d.world:
+        # a default batch never refuses a small data set: one batch of all its images (a multiple of the processes)
+        cfg = dataclasses.replace(cfg, batch_size=data.epoch_size // d.world * d.world)
     if data.epoch_size < cfg.batch_size:
         raise ValueError(f"--batch-size {cfg.batch_size} exceeds the {data.epoch_size} training images per epoch")
+    augment_why = "given"
     if cfg.augment is None:  # recorded in train_config.json (and every checkpoint) as resolved
-        images = data.train.images if data.train is not None else None
-        cfg = dataclasses.replace(cfg, augment=default_augment(dataset, images))
-    if cfg.weight_decay is None:  # likewise recorded as resolved
-        cfg = dataclasses.replace(cfg, weight_decay=default_weight_decay(manifest is not None, cfg.init))
+        cfg = dataclasses.replace(cfg, augment=default_augment(dataset))
+        augment_why = augment_reason(dataset)
     if d.main:
-        log.info("augmentation: %s; weight decay %g", cfg.augment, cfg.weight_decay)
+        log.info("augmentation: %s (%s)", cfg.augment, augment_why)
+        log.info("recipe: %s lr %g, weight decay %g, %s schedule, batch %d", cfg.optimizer, cfg.lr, cfg.weight_decay,
+                 cfg.schedule, cfg.batch_size)  # fmt: skip
+        if cfg.optimizer in ("adam", "adamw") and cfg.lr > ADAM_LR_WARNING:
+            log.warning("--lr %g is an SGD-sized step; %s usually diverges or stalls above %g (its default is %g): "
+                        "drop --lr, or give --optimizer sgd", cfg.lr, cfg.optimizer, ADAM_LR_WARNING,
+                        DEFAULT_LR[cfg.optimizer])  # fmt: skip
     if manifest is not None and not cfg.init:  # --init keeps the mean/std its weights were trained with
         model.config = dataclasses.replace(model.config, **data_mean_std(data.train.images))
         log.info("mean/std from the %d training images: %s / %s", len(data.train), model.config.mean, model.config.std)
@@ -446,7 +491,11 @@ def finish(run: Run) -> dict[str, Any]:
                            "kept_labels": run.init["kept_labels"], "new_labels": run.init["new_labels"]}  # fmt: skip
     if data.val is None and d.main:
         log.warning("no validation split (--val-size 0): best/ is the epoch with the best training accuracy")
-    if c.task == "multi_label" and data.val is not None and state["best_epoch"] is not None and d.main:
+    learned = check_learned(run) if d.main else None
+    if learned is not None:
+        summary.update(learned=learned["learned"], prior_val_acc=learned["prior"])
+    if (c.task == "multi_label" and data.val is not None and state["best_epoch"] is not None and d.main
+            and summary.get("learned", True)):  # fmt: skip
         summary["thresholds"] = calibrate_best(run.out / "best", data.val, cfg.eval_batch_size, device)
     if cfg.test and state["best_epoch"] is not None and d.main:
         test_split = run.test_split if run.manifest is not None else load_test(run.dataset, cfg.data)
@@ -475,6 +524,48 @@ def _train(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
         if (run.out / "metrics.jsonl").is_file():
             plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
     return summary
+
+
+def check_learned(run: Run) -> dict[str, Any] | None:
+    """After the last epoch: whether the best epoch beat the label prior on validation (``has_learned``), and whether
+    the run memorised. A run that did not learn says so loudly, and ``best/`` is marked ``"learned": false`` in its
+    config (export and serve warn about such a model). None without a validation split or a best epoch; learned is
+    None when the split is too small for even a perfect score to clear the prior's noise."""
+    data, state, c = run.data, run.state, run.model.config
+    if data.val is None or not len(data.val) or state["best_epoch"] is None:
+        return None
+    train_targets = data.train.targets if data.train is not None else data.val.targets
+    prior, answer = prior_score(train_targets, data.val.targets)
+    if not has_learned(1.0, prior, len(data.val)):
+        log.warning("the validation split (%d images) is too small to tell a model that learned from one that "
+                    "did not: give --val-size a larger count, or a val/ split", len(data.val))  # fmt: skip
+        return {"learned": None, "prior": prior}
+    learned = has_learned(state["best_acc"], prior, len(data.val))
+    key = "exact match" if c.task == "multi_label" else "top-1"
+    records = [json.loads(line) for line in (run.out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    last = records[-1] if records else {}
+    gap = last.get("train_acc", 0.0) - last.get("val_acc", 0.0)
+    if gap > MEMORISING_GAP:
+        log.warning("the run memorised its training images: %s %.1f %% on them against %.1f %% on validation in the "
+                    "last epoch; more images, --augment shift (if position varies), or a larger --weight-decay "
+                    "usually help", key, 100 * last["train_acc"], 100 * last["val_acc"])  # fmt: skip
+    if not learned:
+        names = [c.labels[int(i)] for i in answer.split(",") if i]
+        log.error("the run did not learn: its best validation %s, %.1f %% (epoch %d), is no better than always "
+                  "answering %s (%.1f %% of the validation images). best/ is marked as not learned. Try, in order: "
+                  "more --epochs; the default recipe (no --lr, --optimizer, --weight-decay or --augment flags); a "
+                  "look at a few images of each label (are the labels right, do the images differ?); more images "
+                  "per label", key, 100 * state["best_acc"], state["best_epoch"],
+                  " + ".join(names) if names else "no label", 100 * prior)  # fmt: skip
+        mark_not_learned(run.out / "best", state["best_acc"], prior)
+    return {"learned": learned, "prior": prior}
+
+
+def mark_not_learned(best_dir: Path, best: float, prior: float) -> None:
+    """Record in ``best_dir``'s config.json that its model did not beat the label prior (``NOT_LEARNED``)."""
+    payload = json.loads((best_dir / CONFIG).read_text())
+    payload.setdefault("training", {}).update({NOT_LEARNED: False, "best_val": best, "prior_val": prior})
+    (best_dir / CONFIG).write_text(json.dumps(payload, indent=1) + "\n")
 
 
 def calibrate_best(best_dir: Path, val: Split, batch_size: int, device: torch.device) -> list[float]:

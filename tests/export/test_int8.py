@@ -122,6 +122,9 @@ def test_the_gate_refuses_a_quantization_calibrated_on_blank_images(tmp_path, co
     with pytest.raises(Int8GateError, match="not written: int8 vs fp32 top-1 agreement") as e:
         export_int8(CIFAR10, out, blank, images=10)
     assert not out.exists() and "--force" in str(e.value)
+    # int8 holds on the blank images it was calibrated on and fails on real ones: the calibration is named first
+    causes = str(e.value).split("Likelier causes, in order:")[1]
+    assert causes.strip().startswith("(1) the calibration images (10 of --calibration"), causes
     assert main(["export", "onnx", str(CIFAR10), "-o", str(out), "--int8", "--calibration", str(blank),
                  "--calibration-images", "10", "--force"]) == 0  # fmt: skip
     printed = capsys.readouterr().out

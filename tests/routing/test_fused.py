@@ -89,7 +89,8 @@ FUSING_CONFIGS = [name for name in capserve.list_models() if fuses(name)]
 
 
 def test_the_configs_that_fuse():
-    assert set(FUSING_CONFIGS) == {"cifar10-resnet", "cifar10-simple", "cifar100-resnet", "cifar100-simple"}
+    expected = {"cifar10-resnet", "cifar10-simple", "cifar10-conv", "cifar100-resnet", "cifar100-simple"}
+    assert set(FUSING_CONFIGS) == expected
 
 
 @needs_compiler

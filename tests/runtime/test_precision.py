@@ -110,10 +110,34 @@ def test_native_bf16_follows_what_torch_reports(monkeypatch, caps, onednn, nativ
     assert P.resolve_precision("auto", "torch")[0] == ("bf16" if native else "fp32")
 
 
-def test_native_bf16_on_this_machine_matches_its_capabilities():
-    caps = torch.cpu.get_capabilities()
-    flags = ("bf16", "sve_bf16") if caps["architecture"] in ("arm64", "aarch64") else ("avx512_bf16", "amx_bf16")
-    assert P.native_bf16().native == (any(caps.get(f, False) for f in flags) and P._onednn_bf16())
+def kernel_cpu_flags() -> set[str] | None:
+    """This CPU's features as the Linux kernel lists them (/proc/cpuinfo "flags" on x86, "Features" on Arm): a
+    source independent of torch's cpuinfo, which ``native_bf16`` reads. None elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^(?:flags|Features)\s*:(.*)$", text, re.MULTILINE)
+    return set(found.group(1).split()) if found else None
+
+
+def test_native_bf16_on_this_machine_agrees_with_the_kernels_cpu_flags():
+    """What the kernel says the processor does, against what ``native_bf16`` concludes: x86 needs avx512_bf16 or
+    amx_bf16 (plain avx512f emulates bf16), Arm the bf16 feature (``bf16``, ``svebf16``). A torch whose oneDNN cannot
+    use it reports not native, with the reason."""
+    flags = kernel_cpu_flags()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo feature list on this machine")
+    support = P.native_bf16()
+    hardware = bool(flags & {"avx512_bf16", "amx_bf16", "bf16", "svebf16"})
+    if not hardware:
+        assert not support.native and "without bf16 instructions" in support.reason, support
+    elif torch.backends.mkldnn.is_available():
+        assert support.native, support
+        assert any(f in support.reason for f in ("avx512_bf16", "amx_bf16", "bf16")), support
+    else:
+        assert not support.native and "oneDNN" in support.reason, support
+    assert P.resolve_precision("auto", "torch")[0] == ("bf16" if support.native else "fp32")
 
 
 def test_resolve_precision(monkeypatch, caplog):

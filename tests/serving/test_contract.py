@@ -156,7 +156,7 @@ def test_the_document_states_errors_pixels_and_file_types(client):
     assert pixels["items"]["items"]["items"]["items"] == {"type": "integer", "minimum": 0, "maximum": 255,
                                                           "description": "a uint8 pixel"}  # fmt: skip
     form = document["paths"]["/classify_batch"]["post"]["requestBody"]["content"]["multipart/form-data"]
-    assert form["encoding"]["images"] == {"contentType": "image/*"}
+    assert form["encoding"]["images"] == {"contentType": "image/*, application/octet-stream"}
     threshold = document["paths"]["/multilabel"]["post"]["requestBody"]["content"]["multipart/form-data"]
     assert threshold["schema"]["properties"]["threshold"]["exclusiveMaximum"] is True  # OpenAPI 3.0's spelling
 

@@ -451,7 +451,7 @@ BAD_INPUTS = {
     "wrong-field-name": (FORM, "/classify", upload(GOOD, field="file")),
     "field-as-text": (FORM, "/classify", dict(data={"image": "http://127.0.0.1:1/x.png"}, files={"x": ("x", b"1")})),
     "field-not-image-type": (MEDIA, "/classify", upload(GOOD, content_type="text/plain")),
-    "field-octet-stream": (MEDIA, "/classify", upload(GOOD, content_type="application/octet-stream")),
+    "field-pdf-type": (MEDIA, "/classify", upload(GOOD, content_type="application/pdf")),  # an image declared as a PDF
     "top-k-zero": (PARAMETER, "/classify", dict(**upload(GOOD), data={"top_k": "0"})),
     "top-k-above-labels": (PARAMETER, "/classify", dict(**upload(GOOD), data={"top_k": "11"})),
     "top-k-above-labels-batch": (PARAMETER, "/classify_batch", dict(files=[("images", ("a.png", GOOD))],
@@ -545,6 +545,23 @@ def test_odd_but_valid_input_is_served(server, eager, data, content_type):
     assert r.status_code == 200, r.text
     best = r.json()["predictions"][0]
     assert best["index"] == int(np.argmax(eager_logits(eager["cifar10"], data)))
+
+
+def untyped_part(data: bytes) -> dict:
+    """A multipart body whose file part has no Content-Type, as Python's ``requests`` sends a plain file tuple."""
+    body = (b'--xyz\r\nContent-Disposition: form-data; name="image"; filename="photo"\r\n\r\n' + data
+            + b"\r\n--xyz--\r\n")  # fmt: skip
+    return dict(content=body, headers={"content-type": MULTIPART})
+
+
+@pytest.mark.parametrize("request_", [upload(JPEG, content_type="application/octet-stream"), untyped_part(JPEG)],
+                         ids=["curl-without-extension", "requests-file-tuple"])  # fmt: skip
+def test_an_image_part_without_an_image_type_is_served(server, eager, request_):
+    """The bytes decide: a file part sent as application/octet-stream (curl, a name without a known extension) or
+    without a Content-Type (Python's requests) is the image it holds."""
+    r = server.post("/classify?top_k=10", **request_)
+    assert r.status_code == 200, r.text
+    assert r.json()["predictions"][0]["index"] == int(np.argmax(eager_logits(eager["cifar10"], JPEG)))
 
 
 SERVER_ROWS = ("an endpoint whose model", "a request queued")  # README rows the second server below tests

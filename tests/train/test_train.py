@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""Training: schedules, outputs, exact resumes, DDP, the best epoch, evaluation and calibration, CLI errors."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def test_resume_continues_exactly(cifar, tmp_path, optimizer):
     train(cfg("cifar10-simple", cifar, part, test=False, max_steps=4, optimizer=optimizer, lr=lr))  # inside epoch 2
     state = json.loads((part / "last" / "trainer.json").read_text())["state"]
     assert (state["epoch"], state["batch"], state["step"]) == (1, 1, 4)
-    assert main(["train", "--resume", str(part)]) == 0
+    assert main(["train", "--resume", str(part)]) in (0, 1)  # 1: six steps need not beat the prior; no usage error
     a, b = load_file(str(whole / "last" / "model.safetensors")), load_file(str(part / "last" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     oa = load_file(str(whole / "last" / "optimizer.safetensors"))
@@ -102,12 +102,13 @@ def test_ddp_two_cpu_processes_match_one(mnist, tmp_path):
             "--set", "backbone_channels=8", "--set", "primary_types=4", "--set",
             f"capsules=[{overrides}, {{\"kind\": \"fc\", \"types\": 5}}]"]  # fmt: skip
     single = tmp_path / "single"
-    assert main([*args, "--out", str(single)]) == 0
+    # 1 (and the same from torchrun): three steps need not beat the prior; the weights are what this test compares
+    assert main([*args, "--out", str(single)]) == 1
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
            "capserve.cli", *args, "--out", str(tmp_path / "ddp")]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 1 and "did not learn" in result.stderr, result.stderr[-3000:]
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["steps"] == 3
     a = load_file(str(single / "last" / "model.safetensors"))
@@ -142,14 +143,17 @@ def test_evaluate_and_calibrate(mnist, cifar, tmp_path, capsys):
     probabilities, truth = torch.sigmoid(logits(val)), val.targets > 0.5
     grid = [round(0.05 * i, 2) for i in range(1, 20)]
     assert all(t in grid for t in thresholds)
-    best_f1 = torch.stack([f1(probabilities > t, truth) for t in grid]).max(0).values
-    torch.testing.assert_close(f1(probabilities > torch.tensor(thresholds), truth), best_f1)
+    best_f1 = torch.stack([f1(probabilities >= t, truth) for t in grid]).max(0).values
+    always = f1(torch.ones_like(truth), truth)  # answering the label for every image
+    chosen = f1(probabilities >= torch.tensor(thresholds), truth)
+    for k, t in enumerate(thresholds):  # a class no threshold helps beyond "always" keeps 0.5
+        assert (t == 0.5) if best_f1[k] <= always[k] + 1e-9 else chosen[k] == pytest.approx(best_f1[k].item())
     # the report's figures are the model's on the first 300 test images with those thresholds, per T
     report = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
     assert report["images"] == 300 and set(report["results"]) == {"1", "2", "3"}
     test = capserve.data.load_test("multimnist", mnist).subset(torch.arange(300))
     for T in (1, 2, 3):
-        decided, truth = torch.sigmoid(logits(test, T)) > torch.tensor(thresholds), test.targets > 0.5
+        decided, truth = torch.sigmoid(logits(test, T)) >= torch.tensor(thresholds), test.targets > 0.5
         result = report["results"][str(T)]
         assert result["exact_match"] == pytest.approx((decided == truth).all(1).float().mean().item(), abs=1e-6)
         per_label = dict(zip(report["labels"], f1(decided, truth).tolist(), strict=True))  # keyed by label name
@@ -188,8 +192,8 @@ def test_optimizer_flags(cifar, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(capserve.train.cli, "train", lambda c, resume=None: runs.append(c) or {})
     base = ["train", "--model", "cifar10-simple", "--data", str(cifar), "--out", str(tmp_path)]
     assert main([*base, "--optimizer", "adam"]) == 0 and main(base) == 0
-    # each optimizer's own default lr; Adam records no momentum (it has none)
-    assert [(c.optimizer, c.lr, c.momentum) for c in runs] == [("adam", 1e-3, None), ("sgd", 0.1, 0.9)]
+    # each optimizer's own default lr; Adam records no momentum (it has none); "auto" is resolved by the set-up
+    assert [(c.optimizer, c.lr, c.momentum) for c in runs] == [("adam", 1e-3, None), ("auto", None, None)]
     assert TrainConfig(model="cifar10-simple", data="d", out="o", optimizer="adam").lr == 1e-3  # the API's too
     assert main([*base, "--optimizer", "adam", "--momentum", "0.5"]) == 2
     assert "--momentum is SGD's" in capsys.readouterr().err

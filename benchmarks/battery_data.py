@@ -1,0 +1,265 @@
+"""The own-data battery's data sets: eight kinds of images the tests and the other benchmarks never use, built from
+what a machine without a network has (the MNIST and CIFAR-10 files, the DejaVu fonts, drawn shapes and textures).
+
+Each builder writes a data set as a user would hand it to ``capserve train --data``: a folder of label folders with
+``train/`` and ``test/`` (single-label), or a CSV ``image,labels,split`` (multi-label). Everything is seeded.
+
+| name | kind | classes | train | side | what varies |
+|---|---|---|---|---|---|
+| letters | colour, single | 12 | 1,800 | 32 | colours, font (test fonts never seen in training) |
+| digits | grey, single, aligned | 10 | 6,000 | 28 | MNIST as PNGs |
+| placed-digits | grey, single, placed | 10 | 4,000 | 48 | a small digit anywhere on a noisy canvas |
+| cifar5 | colour photos, single | 5 | 2,500 | 32 | five CIFAR-10 classes |
+| textures | colour, single, few images | 6 | 500 | 64 | procedural textures, random colours and phase |
+| glyphs | grey, single, many classes | 62 | 3,720 | 28 | 0-9 A-Z a-z in 16 fonts (test: 6 other fonts) |
+| shapes | colour, multi-label, clutter | 5 | 3,000 | 48 | 1-3 shapes at random places and sizes |
+| overlap | grey, multi-label, overlapping | 10 | 5,000 | 36 | two MNIST digits overlapping (DiverseMultiMNIST-like) |
+"""
+
+from __future__ import annotations
+
+import csv
+import string
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from capserve.configs import CIFAR10_LABELS
+from capserve.data.builtin import load_cifar10, load_mnist
+
+FONT_DIR = Path("/usr/share/fonts/truetype/dejavu")
+
+
+def fonts() -> tuple[list[Path], list[Path]]:
+    """The system's DejaVu fonts split into training and test typefaces (test: the serif and mono families)."""
+    found = sorted(FONT_DIR.glob("*.ttf"))
+    found = [f for f in found if "Math" not in f.name]
+    test = [f for f in found if ("Serif" in f.name and "Condensed" in f.name) or "Mono" in f.name]
+    train = [f for f in found if f not in test]
+    if len(train) < 4 or len(test) < 2:
+        raise SystemExit(f"the battery's letters and glyphs need the DejaVu fonts in {FONT_DIR} "
+                         "(Debian: apt-get install fonts-dejavu-core fonts-dejavu-extra)")  # fmt: skip
+    return train, test
+
+
+def _save_folder(root: Path, split: str, label: str, i: int, image: Image.Image) -> None:
+    folder = root / split / label
+    folder.mkdir(parents=True, exist_ok=True)
+    image.save(folder / f"{i:05d}.png")
+
+
+def _colour(rng: np.random.Generator) -> tuple[int, int, int]:
+    return tuple(int(v) for v in rng.integers(0, 256, 3))  # type: ignore[return-value]
+
+
+def _far_colour(rng: np.random.Generator, other: tuple[int, int, int]) -> tuple[int, int, int]:
+    while True:
+        c = _colour(rng)
+        if sum(abs(a - b) for a, b in zip(c, other, strict=True)) > 200:
+            return c
+
+
+def _glyph(rng: np.random.Generator, char: str, font: Path, side: int, colour: bool) -> Image.Image:
+    bg = _colour(rng) if colour else (int(rng.integers(0, 60)),) * 3
+    fg = _far_colour(rng, bg) if colour else (int(rng.integers(180, 256)),) * 3
+    big = side * 4
+    image = Image.new("RGB", (big, big), bg)
+    size = int(big * rng.uniform(0.55, 0.8))
+    f = ImageFont.truetype(str(font), size)
+    draw = ImageDraw.Draw(image)
+    x0, y0, x1, y1 = draw.textbbox((0, 0), char, font=f)
+    dx, dy = rng.integers(-big // 10, big // 10 + 1, 2)
+    draw.text(((big - (x1 - x0)) / 2 - x0 + dx, (big - (y1 - y0)) / 2 - y0 + dy), char, font=f, fill=fg)
+    image = image.rotate(float(rng.uniform(-12, 12)), resample=Image.BILINEAR, fillcolor=bg)
+    image = image.resize((side, side), Image.LANCZOS)
+    return image if colour else image.convert("L")
+
+
+def letters(root: Path, data: Path, rng: np.random.Generator) -> None:
+    """12 capital letters in random colours on random colours; test in typefaces never seen in training."""
+    train_fonts, test_fonts = fonts()
+    for label in "ABDEGHKMPRSW":
+        for i in range(150):
+            _save_folder(root, "train", label, i, _glyph(rng, label, train_fonts[i % len(train_fonts)], 32, True))
+        for i in range(40):
+            _save_folder(root, "test", label, i, _glyph(rng, label, test_fonts[i % len(test_fonts)], 32, True))
+
+
+def glyphs(root: Path, data: Path, rng: np.random.Generator) -> None:
+    """62 classes (digits, capitals, small letters), grey, 60 training images each; test fonts unseen."""
+    train_fonts, test_fonts = fonts()
+    names = {c: (f"upper-{c}" if c.isupper() else f"lower-{c}" if c.islower() else c) for c in
+             string.digits + string.ascii_uppercase + string.ascii_lowercase}  # fmt: skip
+    for char, label in names.items():
+        for i in range(60):
+            _save_folder(root, "train", label, i, _glyph(rng, char, train_fonts[i % len(train_fonts)], 28, False))
+        for i in range(20):
+            _save_folder(root, "test", label, i, _glyph(rng, char, test_fonts[i % len(test_fonts)], 28, False))
+
+
+def digits(root: Path, data: Path, rng: np.random.Generator) -> None:
+    """6,000 MNIST training digits and 1,000 test digits as grey PNGs."""
+    for split, train, n in (("train", True, 6_000), ("test", False, 1_000)):
+        images, labels = (t.numpy() for t in load_mnist(data / "mnist", train))
+        for i in rng.choice(len(images), n, replace=False):
+            _save_folder(root, split, str(int(labels[i])), int(i), Image.fromarray(images[i]))
+
+
+def placed_digits(root: Path, data: Path, rng: np.random.Generator) -> None:
+    """A 16-24 px MNIST digit anywhere on a 48×48 canvas of noise and scratches."""
+    for split, train, n in (("train", True, 4_000), ("test", False, 1_000)):
+        images, labels = (t.numpy() for t in load_mnist(data / "mnist", train))
+        for k, i in enumerate(rng.choice(len(images), n, replace=False)):
+            canvas = rng.normal(30, 12, (48, 48)).clip(0, 255)
+            for _ in range(3):  # scratches
+                r, c = rng.integers(0, 48, 2)
+                canvas[r, max(c - 6, 0) : c + 6] = 90
+            s = int(rng.integers(16, 25))
+            digit = np.asarray(Image.fromarray(images[i]).resize((s, s), Image.BILINEAR), dtype=np.float64)
+            y, x = rng.integers(0, 48 - s + 1, 2)
+            canvas[y : y + s, x : x + s] = np.maximum(canvas[y : y + s, x : x + s], digit)
+            _save_folder(root, split, str(int(labels[i])), k, Image.fromarray(canvas.astype(np.uint8)))
+
+
+def cifar5(root: Path, data: Path, rng: np.random.Generator) -> None:
+    """Five CIFAR-10 classes, 500 training and 200 test photos each."""
+    keep = ("airplane", "cat", "frog", "ship", "truck")
+    for split, train, per in (("train", True, 500), ("test", False, 200)):
+        split_data = load_cifar10(data / "cifar10", train)
+        images, labels = split_data.images.numpy(), split_data.targets.numpy()
+        for name in keep:
+            index = np.flatnonzero(labels == CIFAR10_LABELS.index(name))[:per]
+            for i in index:
+                _save_folder(root, split, name, int(i), Image.fromarray(images[i].transpose(1, 2, 0)))
+
+
+def _texture(rng: np.random.Generator, kind: str, side: int) -> Image.Image:
+    yy, xx = np.mgrid[0:side, 0:side].astype(np.float64)
+    period = rng.uniform(6, 14)
+    phase = rng.uniform(0, 2 * np.pi)
+    if kind == "stripes":
+        v = np.sin(2 * np.pi * yy / period + phase)
+    elif kind == "diagonal":
+        v = np.sin(2 * np.pi * (xx + yy) / (period * 1.4) + phase)
+    elif kind == "checker":
+        v = np.sign(np.sin(2 * np.pi * xx / period + phase) * np.sin(2 * np.pi * yy / period + phase))
+    elif kind == "dots":
+        v = (np.sin(2 * np.pi * xx / period + phase) + np.sin(2 * np.pi * yy / period + phase) > 1.2) * 2.0 - 1
+    elif kind == "rings":
+        cy, cx = rng.uniform(0, side, 2)
+        v = np.sin(2 * np.pi * np.hypot(yy - cy, xx - cx) / period + phase)
+    else:  # blobs: smoothed noise
+        noise = rng.normal(size=(side // 8, side // 8))
+        v = np.asarray(Image.fromarray(noise.astype(np.float32)).resize((side, side), Image.BICUBIC))
+        v = v / (np.abs(v).max() + 1e-9)
+    a, b = np.array(_colour(rng), np.float64), np.array(_colour(rng), np.float64)
+    t = (v[..., None] + 1) / 2
+    pixels = a * t + b * (1 - t) + rng.normal(0, 8, (side, side, 3))
+    return Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+
+
+def textures(root: Path, data: Path, rng: np.random.Generator) -> None:
+    """Six procedural colour textures at 64×64, only 500 training images in all."""
+    kinds = ("stripes", "diagonal", "checker", "dots", "rings", "blobs")
+    for split, n in (("train", 500), ("test", 300)):
+        for i in range(n):
+            kind = kinds[i % len(kinds)]
+            _save_folder(root, split, kind, i, _texture(rng, kind, 64))
+
+
+SHAPES = ("circle", "square", "triangle", "cross", "ring")
+
+
+def _shape(draw: ImageDraw.ImageDraw, kind: str, box: tuple[int, int, int, int], colour: tuple[int, ...]) -> None:
+    x0, y0, x1, y1 = box
+    w = max((x1 - x0) // 4, 2)
+    if kind == "circle":
+        draw.ellipse(box, fill=colour)
+    elif kind == "square":
+        draw.rectangle(box, fill=colour)
+    elif kind == "triangle":
+        draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=colour)
+    elif kind == "cross":
+        cx, cy = (x0 + x1) // 2, (y0 + y1) // 2
+        draw.rectangle((cx - w // 2, y0, cx + w // 2, y1), fill=colour)
+        draw.rectangle((x0, cy - w // 2, x1, cy + w // 2), fill=colour)
+    else:
+        draw.ellipse(box, outline=colour, width=w)
+
+
+def shapes(root: Path, data: Path, rng: np.random.Generator) -> None:
+    """A multi-label CSV: 1-3 different shapes of five kinds, random colours, places and sizes, on clutter."""
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for split, n in (("train", 3_000), ("test", 600)):
+        for i in range(n):
+            bg = _colour(rng)
+            image = Image.new("RGB", (48, 48), bg)
+            draw = ImageDraw.Draw(image)
+            for _ in range(6):  # clutter: thin lines
+                draw.line([tuple(rng.integers(0, 48, 2)), tuple(rng.integers(0, 48, 2))], fill=_colour(rng), width=1)
+            kinds = list(rng.choice(SHAPES, int(rng.integers(1, 4)), replace=False))
+            for kind in kinds:
+                s = int(rng.integers(12, 22))
+                x, y = rng.integers(0, 48 - s, 2)
+                _shape(draw, str(kind), (int(x), int(y), int(x) + s, int(y) + s), _far_colour(rng, bg))
+            name = f"images/{split}-{i:05d}.png"
+            image.save(root / name)
+            rows.append((name, " ".join(sorted(str(k) for k in kinds)), split))
+    _write_csv(root / "labels.csv", rows)
+
+
+def overlap(root: Path, data: Path, rng: np.random.Generator) -> None:
+    """A multi-label CSV of two different MNIST digits overlapping on a 36×36 canvas (shifted up to ±4 px)."""
+    words = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for split, train, n in (("train", True, 5_000), ("test", False, 1_000)):
+        images, labels = (t.numpy() for t in load_mnist(data / "mnist", train))
+        for i in range(n):
+            a = int(rng.integers(len(images)))
+            b = int(rng.integers(len(images)))
+            while labels[b] == labels[a]:
+                b = int(rng.integers(len(images)))
+            canvas = np.zeros((36, 36), np.uint8)
+            for d in (a, b):
+                y, x = rng.integers(0, 9, 2)
+                canvas[y : y + 28, x : x + 28] = np.maximum(canvas[y : y + 28, x : x + 28], images[d])
+            name = f"images/{split}-{i:05d}.png"
+            Image.fromarray(canvas).save(root / name)
+            rows.append((name, f"{words[labels[a]]} {words[labels[b]]}", split))
+    _write_csv(root / "labels.csv", rows)
+
+
+def _write_csv(path: Path, rows: list[tuple[str, str, str]]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(("image", "labels", "split"))
+        writer.writerows(rows)
+
+
+# name → (builder, what capserve train's --data points at, relative to the set's folder)
+BATTERY: dict[str, tuple[Callable[[Path, Path, np.random.Generator], None], str]] = {
+    "shapes": (shapes, "labels.csv"),
+    "letters": (letters, "."),
+    "placed-digits": (placed_digits, "."),
+    "overlap": (overlap, "labels.csv"),
+    "cifar5": (cifar5, "."),
+    "textures": (textures, "."),
+    "glyphs": (glyphs, "."),
+    "digits": (digits, "."),
+}
+
+
+def build(name: str, work: Path, data: Path, seed: int = 0) -> Path:
+    """Build the named set under ``work/name`` (once: an existing folder is reused) and return its ``--data`` path."""
+    builder, target = BATTERY[name]
+    root = work / name
+    done = root / ".complete"
+    if not done.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        builder(root, data, np.random.default_rng(seed))
+        done.touch()
+    return root / target if target != "." else root

@@ -1,0 +1,185 @@
+"""``capserve predict`` and ``Predictor``: the service's answers offline, for every kind of source, bad files as
+rows, a killed run resumed with exactly one row per image, and the Ray Data recipe of docs/predict.md."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from support.inprocess import in_process_service
+from support.server import random_png
+
+from capserve.cli import main
+from capserve.predict import Predictor
+from capserve.predict.sources import expand
+
+ROOT = Path(__file__).resolve().parents[2]
+CIFAR10, MULTIMNIST = str(ROOT / "models" / "cifar10"), str(ROOT / "models" / "multimnist")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """Images in nested folders, of several formats and sizes, one file that is not an image and one hidden file."""
+    root = tmp_path_factory.mktemp("images")
+    (root / "b" / "deep").mkdir(parents=True)
+    (root / "a").mkdir()
+    for i in range(5):
+        (root / "a" / f"{i}.png").write_bytes(random_png(i, (40 + i, 32)))
+    Image.open(io.BytesIO(random_png(9, (64, 48)))).save(root / "b" / "photo.jpg", quality=90)
+    (root / "b" / "deep" / "grey.png").write_bytes(random_png(10, (32, 32), "L"))
+    (root / "b" / "broken.png").write_bytes(b"\x89PNG not really")
+    (root / "b" / ".hidden.png").write_bytes(random_png(11))
+    (root / "b" / "notes.txt").write_text("not an image")
+    return root
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_sources_in_order_folders_globs_manifests_and_stdin(folder, tmp_path):
+    listed = list(expand([str(folder)]))
+    assert [Path(p).relative_to(folder).as_posix() for p in listed] == [
+        "a/0.png",
+        "a/1.png",
+        "a/2.png",
+        "a/3.png",
+        "a/4.png",
+        "b/broken.png",
+        "b/photo.jpg",
+        "b/deep/grey.png",
+    ]
+    manifest = tmp_path / "list.csv"
+    manifest.write_text("image,labels\na/3.png,x\n" + f"{folder / 'a' / '1.png'},y\n")
+    (tmp_path / "a").symlink_to(folder / "a")
+    got = list(expand([str(folder / "a" / "4.png"), str(folder / "a" / "[02].png"), str(manifest), "-"],
+                      stdin=io.StringIO(f"{folder / 'b' / 'photo.jpg'}\n\n")))  # fmt: skip
+    assert [Path(p).name for p in got] == ["4.png", "0.png", "2.png", "3.png", "1.png", "photo.jpg"]
+    with pytest.raises(Exception, match="matches no file"):
+        list(expand([str(folder / "*.gif")]))
+
+
+def test_answers_are_the_services_own(folder, tmp_path, capsys):
+    """Every row is the JSON body /classify or /multilabel gives for the same file (batching off on both sides)."""
+    out_c, out_m = tmp_path / "c.jsonl", tmp_path / "m.jsonl"
+    assert main(["predict", CIFAR10, str(folder), "--out", str(out_c), "--batch-size", "1", "--top-k", "3"]) == 0
+    assert main(["predict", MULTIMNIST, str(folder), "--out", str(out_m), "--batch-size", "1",
+                 "--threshold", "0.3"]) == 0  # fmt: skip
+    with in_process_service(tmp_path, CAPSERVE_MODEL=CIFAR10, CAPSERVE_MULTILABEL_MODEL=MULTIMNIST,
+                            CAPSERVE_MAX_BATCH_SIZE="1") as client:  # fmt: skip
+        for route, out, params in (("/classify", out_c, {"top_k": "3"}), ("/multilabel", out_m, {"threshold": "0.3"})):
+            for row in rows(out):
+                path = Path(row.pop("path"))
+                served = client.post(route, files={"image": (path.name, path.read_bytes(), "image/png")},
+                                     data=params)  # fmt: skip
+                body = served.json()
+                if "error" in row:
+                    assert served.status_code == 400 and body == {"error": row["error"]}, path
+                else:
+                    assert served.status_code == 200 and body == row, path
+
+
+def test_a_batch_answers_as_single_images_do(folder, tmp_path):
+    one, many = tmp_path / "one.jsonl", tmp_path / "many.jsonl"
+    assert main(["predict", CIFAR10, str(folder), "--out", str(one), "--batch-size", "1"]) == 0
+    assert main(["predict", CIFAR10, str(folder), "--out", str(many), "--batch-size", "64", "--workers", "3"]) == 0
+    for a, b in zip(rows(one), rows(many), strict=True):
+        assert a["path"] == b["path"] and a.get("error") == b.get("error")
+        if "error" not in a:
+            assert [p["label"] for p in a["predictions"]] == [p["label"] for p in b["predictions"]]
+            np.testing.assert_allclose([p["probability"] for p in a["predictions"]],
+                                       [p["probability"] for p in b["predictions"]], atol=1e-5)  # fmt: skip
+
+
+def test_bad_files_are_rows_and_the_exit_status_counts_them(folder, tmp_path, capsys):
+    out = tmp_path / "out.csv"
+    assert main(["predict", CIFAR10, str(folder), "--out", str(out)]) == 0
+    table = list(csv.DictReader(out.open()))
+    assert len(table) == 8 and [r["path"] for r in table] == list(expand([str(folder)]))
+    broken = next(r for r in table if r["path"].endswith("broken.png"))
+    assert broken["error"].startswith("the image: ") and not broken["answer"]
+    good = next(r for r in table if r["path"].endswith("photo.jpg"))
+    assert json.loads(good["answer"])["predictions"][0]["label"] == good["label"]
+    assert "8 images, 1 failed" in capsys.readouterr().err
+    # one bad file in eight is more than a 10 % allowance; a run of bad files alone answers nothing
+    assert main(["predict", CIFAR10, str(folder), "--out", str(tmp_path / "x.csv"), "--max-failures", "0.1"]) == 1
+    assert main(["predict", CIFAR10, str(folder / "b" / "broken.png")]) == 1
+    assert "no image could be answered" in capsys.readouterr().err
+    assert main(["predict", CIFAR10, str(folder), "--out", str(out)]) == 2  # exists: --resume or another file
+    assert main(["predict", CIFAR10, str(tmp_path / "nothing-here")]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_resume_after_a_cut_row_gives_each_image_one_row(folder, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    assert main(["predict", CIFAR10, str(folder), "--out", str(out)]) == 0
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:3]) + lines[3][:25])  # a kill in the middle of the fourth row
+    assert main(["predict", CIFAR10, str(folder), "--out", str(out), "--resume"]) == 0
+    assert [r["path"] for r in rows(out)] == list(expand([str(folder)]))
+    assert "(3 skipped: already in" in capsys.readouterr().err
+
+
+def test_a_killed_run_resumed_loses_nothing_and_repeats_nothing(tmp_path):
+    """SIGKILL while ``capserve predict`` writes, then --resume: every image has exactly one row."""
+    images = tmp_path / "many"
+    images.mkdir()
+    for i in range(240):
+        (images / f"{i:04d}.png").write_bytes(random_png(i % 7, (32, 32)))
+    out = tmp_path / "out.csv"
+    cmd = [sys.executable, "-m", "capserve.cli", "predict", CIFAR10, str(images), "--out", str(out),
+           "--batch-size", "8"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not out.exists() or out.read_text().count("\n") < 40):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    written = out.read_text().count("\n") - 1
+    assert 0 < written < 240, written  # killed part-way
+    subprocess.run([*cmd, "--resume"], env=env, check=True, capture_output=True, timeout=300)
+    paths = [r["path"] for r in csv.DictReader(out.open())]
+    assert sorted(paths) == sorted(str(p) for p in images.iterdir()) and len(paths) == 240
+
+
+def test_the_python_api_takes_paths_bytes_pil_images_and_arrays(folder):
+    predictor = Predictor(CIFAR10, top_k=2)
+    path = folder / "b" / "photo.jpg"
+    data = path.read_bytes()
+    image = Image.open(io.BytesIO(data))
+    by_path, by_bytes, by_pil, by_array = predictor.predict([path, data, image, np.asarray(image.convert("RGB"))])
+    assert by_path == by_bytes == by_pil == by_array and len(by_path["predictions"]) == 2
+    assert predictor.predict([b"nope"])[0]["error"].startswith("the image: ")
+    with pytest.raises(ValueError, match="top_k=11"):
+        Predictor(CIFAR10, top_k=11)
+
+
+def test_the_ray_data_recipe(folder, tmp_path, monkeypatch):
+    """docs/predict.md's recipe on a local Ray instance: a data set of paths → map_batches(Predictor) → CSV."""
+    ray = pytest.importorskip("ray", reason="pip install 'capserve[ray]' (Ray Data) to run the Ray recipe")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")  # Ray reports usage to its makers unless told not to
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        paths = sorted(str(p) for p in (folder / "a").iterdir()) * 6  # 30 images
+        ds = ray.data.from_items([{"path": p} for p in paths])
+        answered = ds.map_batches(Predictor, fn_constructor_kwargs={"model": CIFAR10, "top_k": 1}, batch_size=8,
+                                  concurrency=1)  # fmt: skip
+        answered.write_csv(str(tmp_path / "ray-out"))
+        table = [r for f in sorted((tmp_path / "ray-out").glob("*.csv")) for r in csv.DictReader(f.open())]
+    finally:
+        ray.shutdown()
+    local = {p: r for p, r in zip(paths, Predictor(CIFAR10, top_k=1).predict(paths), strict=True)}
+    assert len(table) == 30
+    for row in table:
+        assert not row["error"] and json.loads(row["answer"]) == local[row["path"]]
