@@ -17,6 +17,8 @@ from capserve import evaluate as ev
 from capserve.cli import main
 from capserve.export.onnx import load_checkpoint
 from capserve.model.checkpoint import not_learned_warning
+from capserve.serving.settings import Settings
+from capserve.serving.sources import open_model
 from capserve.train.loop import has_learned, prior_score
 
 
@@ -69,10 +71,14 @@ def test_a_run_that_learns_nothing_says_so_exits_non_zero_and_marks_best(tmp_pat
     assert training["learned"] is False and training["prior_val"] == summary["prior_val_acc"]
     warning = not_learned_warning(out / "best")
     assert warning is not None and "did not learn" in warning
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        load_checkpoint(out / "best")  # what `capserve export onnx` opens
-    assert "did not learn" in caplog.text
+    for opens in (
+        lambda: load_checkpoint(out / "best"),  # what `capserve export onnx` opens
+        lambda: open_model(str(out / "best"), Settings(backend="torch", multilabel_model="none")),
+    ):  # serve
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            opens()
+        assert "did not learn" in caplog.text
 
 
 def test_the_prior_is_the_most_common_answer_and_learning_must_clear_its_noise():
