@@ -9,6 +9,7 @@ checkout), so every other test would pass with a broken wheel. ~1-2 min: most of
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -86,6 +87,13 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     )
     out = run([capserve, "verify", "cifar10/model.onnx", "--against", "cifar10", "--batch-sizes", "1,5"], work, env)
     assert "cifar10-resnet, T=2, fp32, onnxruntime on CPUExecutionProvider" in out and out.strip().endswith("passed")
+    # offline prediction from the wheel: capserve.predict ships, and answers a folder as the service would
+    (work / "images").mkdir()
+    shutil.copy(ROOT / "tests" / "fixtures" / "cifar10-test-200.png", work / "images" / "mosaic.png")
+    (work / "images" / "broken.png").write_bytes(b"not an image")
+    rows = [json.loads(line) for line in run([capserve, "predict", "cifar10", "images"], work, env).splitlines()]
+    assert [r["path"] for r in rows] == ["images/broken.png", "images/mosaic.png"]
+    assert rows[0]["error"].startswith("the image: ") and len(rows[1]["predictions"]) == 5
 
     # serving from the wheel: the service is a module of the installed package (service.py is not in the wheel)
     with socket.socket() as s:
