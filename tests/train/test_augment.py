@@ -138,7 +138,7 @@ def test_init_keeps_its_mean_std_and_freeze_backbone_keeps_its_weights(tmp_path,
     out = tmp_path / "ft"
     code = main(["train", "--init", str(source), "--data", str(data), "--out", str(out), "--epochs", "1",
                  "--batch-size", "8", "--val-size", "4", "--no-test", "--freeze", "backbone"])  # fmt: skip
-    assert code in (0, 1)  # 1: one epoch on 20 images need not beat the label prior; no usage error (2)
+    assert code == 0  # too few validation images to judge learning: a warning, no verdict; no usage error (2)
     tuned = capserve.load(out / "last")
     assert tuned.config.mean == (0.25, 0.5, 0.75) and tuned.config.std == (0.1, 0.2, 0.3)
     before, after = model.state_dict(), tuned.state_dict()
