@@ -39,8 +39,10 @@ def fonts() -> tuple[list[Path], list[Path]]:
     test = [f for f in found if ("Serif" in f.name and "Condensed" in f.name) or "Mono" in f.name]
     train = [f for f in found if f not in test]
     if len(train) < 4 or len(test) < 2:
-        raise SystemExit(f"the battery's letters and glyphs need the DejaVu fonts in {FONT_DIR} "
-                         "(Debian: apt-get install fonts-dejavu-core fonts-dejavu-extra)")  # fmt: skip
+        raise SystemExit(
+            f"the battery's letters and glyphs need the DejaVu fonts in {FONT_DIR} "
+            "(Debian: apt-get install fonts-dejavu-core fonts-dejavu-extra)"
+        )
     return train, test
 
 
@@ -90,8 +92,10 @@ def letters(root: Path, data: Path, rng: np.random.Generator) -> None:
 def glyphs(root: Path, data: Path, rng: np.random.Generator) -> None:
     """62 classes (digits, capitals, small letters), grey, 60 training images each; test fonts unseen."""
     train_fonts, test_fonts = fonts()
-    names = {c: (f"upper-{c}" if c.isupper() else f"lower-{c}" if c.islower() else c) for c in
-             string.digits + string.ascii_uppercase + string.ascii_lowercase}  # fmt: skip
+    names = {
+        c: (f"upper-{c}" if c.isupper() else f"lower-{c}" if c.islower() else c)
+        for c in string.digits + string.ascii_uppercase + string.ascii_lowercase
+    }
     for char, label in names.items():
         for i in range(60):
             _save_folder(root, "train", label, i, _glyph(rng, char, train_fonts[i % len(train_fonts)], 28, False))

@@ -82,8 +82,14 @@ def yardstick(data: Path, epochs: int, seed: int = 0) -> dict[str, float]:
     def block(i: int, o: int) -> list[nn.Module]:
         return [nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU(), nn.MaxPool2d(2)]
 
-    net = nn.Sequential(*block(3, 64), *block(64, 128), *block(128, 256), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                        nn.Linear(256, len(labels)))  # fmt: skip
+    net = nn.Sequential(
+        *block(3, 64),
+        *block(64, 128),
+        *block(128, 256),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(256, len(labels)),
+    )
     opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=0.05)
     loss_fn = nn.BCEWithLogitsLoss() if multi else nn.CrossEntropyLoss()
 
@@ -107,17 +113,31 @@ def yardstick(data: Path, epochs: int, seed: int = 0) -> dict[str, float]:
         if v > best_val:
             best_val, best_state = v, {k: t.clone() for k, t in net.state_dict().items()}
     net.load_state_dict(best_state)
-    return {"test": score(logits_of(test), test.targets, multi), "val": best_val,
-            "prior": prior(train.targets, multi)}  # fmt: skip
+    return {"test": score(logits_of(test), test.targets, multi), "val": best_val, "prior": prior(train.targets, multi)}
 
 
 def capserve_train(data: Path, out: Path, epochs: int, extra: list[str]) -> dict[str, float | None]:
-    cmd = [sys.executable, "-m", "capserve.cli", "train", "--data", str(data), "--out", str(out), "--epochs",
-           str(epochs), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "capserve.cli",
+        "train",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--epochs",
+        str(epochs),
+        *extra,
+    ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
-    return {"test": summary.get("test_acc"), "val": summary.get("best_val_acc"), "exit": done.returncode,
-            "learned": summary.get("learned")}  # fmt: skip
+    return {
+        "test": summary.get("test_acc"),
+        "val": summary.get("best_val_acc"),
+        "exit": done.returncode,
+        "learned": summary.get("learned"),
+    }
 
 
 def main() -> None:
@@ -143,13 +163,17 @@ def main() -> None:
                 r = yardstick(data, epochs)
                 row["prior"] = r["prior"]
             else:
-                extra = {"capsules": [], "cnn": ["--model", "cifar10-conv-cnn"],
-                         "extra": shlex.split(args.extra or "")}[learner]  # fmt: skip
+                extra = {
+                    "capsules": [],
+                    "cnn": ["--model", "cifar10-conv-cnn"],
+                    "extra": shlex.split(args.extra or ""),
+                }[learner]
                 r = capserve_train(data, work / "runs" / f"{name}-{learner}", epochs, extra)
             row[learner] = r
             row[f"{learner}_s"] = time.perf_counter() - t
-            print(json.dumps({"set": name, "learner": learner, **r, "seconds": round(row[f"{learner}_s"], 1)}),
-                  flush=True)  # fmt: skip
+            print(
+                json.dumps({"set": name, "learner": learner, **r, "seconds": round(row[f"{learner}_s"], 1)}), flush=True
+            )
         rows.append(row)
     print(f"\n| set | epochs | prior | {' | '.join(learners)} |")
     print("|---|---:|---:|" + "---:|" * len(learners))

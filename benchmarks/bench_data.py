@@ -84,12 +84,21 @@ def main() -> None:
         assert reused.from_cache and torch.equal(reused.splits["train"].images, built.splits["train"].images)
         n = len(built.splits["train"])
         print(f"PNG files written: {args.images} in {write_s:.1f} s; cache file {cache.stat().st_size / 2**20:.1f} MiB")
-        print(f"cache build: {n} images in {build_s:.2f} s = {n / build_s:,.0f} images/s "
-              f"({torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs)")  # fmt: skip
+        print(
+            f"cache build: {n} images in {build_s:.2f} s = {n / build_s:,.0f} images/s "
+            f"({torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs)"
+        )
         print(f"cache reuse: {reuse_s:.3f} s ({n / reuse_s:,.0f} images/s, fingerprint of {n} files included)")
 
-        common = dict(model=args.model, epochs=1, batch_size=args.batch_size, max_steps=args.steps, test=False,
-                      device="cpu", eval_batch_size=500)  # fmt: skip
+        common = dict(
+            model=args.model,
+            epochs=1,
+            batch_size=args.batch_size,
+            max_steps=args.steps,
+            test=False,
+            device="cpu",
+            eval_batch_size=500,
+        )
         own_runs, builtin_runs = [], []
         for r in range(args.repeats):  # interleaved, so drifting load on the machine hits both alike
             own_out, builtin_out = work / f"own-{r}", work / f"builtin-{r}"
@@ -103,8 +112,10 @@ def main() -> None:
         own, builtin = statistics.median(own_runs), statistics.median(builtin_runs)
         print(f"training {args.model}, batch {args.batch_size}, {args.steps} steps, median of {args.repeats}:")
         print(f"  from the own-images cache : {own:7.1f} images/s  (runs: {', '.join(f'{v:.1f}' for v in own_runs)})")
-        print(f"  from built-in CIFAR-10    : {builtin:7.1f} images/s  "
-              f"(runs: {', '.join(f'{v:.1f}' for v in builtin_runs)})")  # fmt: skip
+        print(
+            f"  from built-in CIFAR-10    : {builtin:7.1f} images/s  "
+            f"(runs: {', '.join(f'{v:.1f}' for v in builtin_runs)})"
+        )
         print(f"  ratio cache / built-in    : {own / builtin:.2f}")
     finally:
         if not args.workdir:

@@ -76,15 +76,19 @@ def main() -> None:
     for _ in range(a.repeats):
         for size, freeze in variants:
             rates[(size, freeze)].append(step_rate(models[size], size, a.batch_size, a.steps, freeze))
-    print(f"{source.config.name} from {a.init}, batch {a.batch_size}, {torch.get_num_threads()} threads, "
-          f"median of {a.repeats} interleaved runs of {a.steps} steps")  # fmt: skip
+    print(
+        f"{source.config.name} from {a.init}, batch {a.batch_size}, {torch.get_num_threads()} threads, "
+        f"median of {a.repeats} interleaved runs of {a.steps} steps"
+    )
     base = statistics.median(rates[variants[0]])
     for size, freeze in variants:
         r = statistics.median(rates[(size, freeze)])
         share = backbone_share(models[size], size, a.batch_size)
         what = "--freeze backbone" if freeze else "all layers"
-        print(f"  {size}x{size} {what:17}: {r:7.1f} images/s ({r / base:.2f}x of the first), backbone "
-              f"{100 * share:.0f} % of a forward")  # fmt: skip
+        print(
+            f"  {size}x{size} {what:17}: {r:7.1f} images/s ({r / base:.2f}x of the first), backbone "
+            f"{100 * share:.0f} % of a forward"
+        )
 
 
 if __name__ == "__main__":

@@ -108,8 +108,9 @@ def interleaved(calls: dict[str, Callable[[], object]], seconds: float) -> dict[
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def raw_throughput(model: Path, configs: list[str], batch_sizes: list[int], seconds: float,
-                   explain: bool = True) -> dict[str, dict[str, float]]:  # fmt: skip
+def raw_throughput(
+    model: Path, configs: list[str], batch_sizes: list[int], seconds: float, explain: bool = True
+) -> dict[str, dict[str, float]]:
     """Images per second of each configuration's runtime alone, interleaved: config → {"predict@B": ..., and
     "explain@1" when ``explain``}.
 
@@ -121,8 +122,9 @@ def raw_throughput(model: Path, configs: list[str], batch_sizes: list[int], seco
         return pool.submit(_raw_throughput, model, configs, batch_sizes, seconds, explain).result()
 
 
-def _raw_throughput(model: Path, configs: list[str], batch_sizes: list[int], seconds: float,
-                    explain: bool) -> dict[str, dict[str, float]]:  # fmt: skip
+def _raw_throughput(
+    model: Path, configs: list[str], batch_sizes: list[int], seconds: float, explain: bool
+) -> dict[str, dict[str, float]]:
     runtimes = {config: open_runtime(model, config) for config in configs}
     meta = next(iter(runtimes.values())).metadata
     result: dict[str, dict[str, float]] = {config: {} for config in configs}
@@ -167,14 +169,23 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"server-{self.port}.log"
-        environ = {**os.environ, "BENTOML_HOME": str(tmp / "bentoml"), "BENTOML_DO_NOT_TRACK": "True",
-                   "CAPSERVE_MODEL": str(model), "CAPSERVE_MULTILABEL_MODEL": str(multilabel or "none"),
-                   **env}  # fmt: skip
+        environ = {
+            **os.environ,
+            "BENTOML_HOME": str(tmp / "bentoml"),
+            "BENTOML_DO_NOT_TRACK": "True",
+            "CAPSERVE_MODEL": str(model),
+            "CAPSERVE_MULTILABEL_MODEL": str(multilabel or "none"),
+            **env,
+        }
         bentoml = str(Path(sys.executable).with_name("bentoml"))
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([bentoml, "serve", "service:CapsuleService", "--host", "127.0.0.1",
-                                          "--port", str(self.port)], cwd=ROOT, env=environ, stdout=out,
-                                         stderr=subprocess.STDOUT)  # fmt: skip
+            self.proc = subprocess.Popen(
+                [bentoml, "serve", "service:CapsuleService", "--host", "127.0.0.1", "--port", str(self.port)],
+                cwd=ROOT,
+                env=environ,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         error = wait_ready(self.proc, self.log, lambda: httpx.get(f"{self.url}/readyz", timeout=2), 180)
         if error:
             self.stop()
@@ -194,8 +205,9 @@ class Server:
             self.proc.wait()
 
 
-async def load(url: str, bodies: list[bytes], requests: int, concurrency: int, endpoint: str = "/classify?top_k=1",
-               batch: int = 1) -> tuple[float, np.ndarray, dict]:  # fmt: skip
+async def load(
+    url: str, bodies: list[bytes], requests: int, concurrency: int, endpoint: str = "/classify?top_k=1", batch: int = 1
+) -> tuple[float, np.ndarray, dict]:
     """``requests`` POSTs to ``endpoint``, at most ``concurrency`` in flight: (seconds, latencies in ms, errors).
 
     ``batch`` > 1: each request is multipart with ``batch`` images in the field ``images`` (/classify_batch);
@@ -215,12 +227,14 @@ async def load(url: str, bodies: list[bytes], requests: int, concurrency: int, e
                 t = time.perf_counter()
                 try:
                     if batch > 1:
-                        files = [("images", (f"{k}.png", bodies[(i + k) % len(bodies)], "image/png"))
-                                 for k in range(batch)]  # fmt: skip
+                        files = [
+                            ("images", (f"{k}.png", bodies[(i + k) % len(bodies)], "image/png")) for k in range(batch)
+                        ]
                         r = await client.post(endpoint, files=files)
                     else:
-                        r = await client.post(endpoint, content=bodies[i % len(bodies)],
-                                              headers={"content-type": "image/png"})  # fmt: skip
+                        r = await client.post(
+                            endpoint, content=bodies[i % len(bodies)], headers={"content-type": "image/png"}
+                        )
                     status = str(r.status_code)
                 except httpx.HTTPError as e:
                     status = type(e).__name__
@@ -239,8 +253,9 @@ def measure(servers: dict[str, Server], rounds: int, requests: int, *args: Any, 
     totals: dict[str, list] = {name: [0.0, [], {}] for name in servers}
     for _ in range(rounds):
         for name, server in servers.items():
-            seconds, latencies, errors = asyncio.run(load(server.url, *args[:1], max(requests // rounds, 1),
-                                                          *args[1:], **kwargs))  # fmt: skip
+            seconds, latencies, errors = asyncio.run(
+                load(server.url, *args[:1], max(requests // rounds, 1), *args[1:], **kwargs)
+            )
             total = totals[name]
             total[0] += seconds
             total[1].extend(latencies)
@@ -273,8 +288,14 @@ class PeerServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"peer-{self.port}.log"
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env={**os.environ, **(env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         files = {"image": ("image.png", png.read_bytes(), "image/png")}
         error = wait_ready(self.proc, self.log, lambda: httpx.post(f"{self.url}/classify", files=files, timeout=5))
         if error:
@@ -317,8 +338,13 @@ def pause(pid: int, paused: bool) -> None:
 def run_wrk(url: str, png: Path, concurrency: int, seconds: int) -> dict[str, float]:
     """One ``wrk`` run (one thread, ``concurrency`` connections) POSTing ``png`` as multipart: its summary."""
     env = {**os.environ, "WRK_FILE": str(png), "WRK_FIELD": "image", "WRK_TYPE": "image/png"}
-    out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--timeout", "60s", "-s",
-                          str(WRK_SCRIPT), url], capture_output=True, text=True, env=env, check=True)  # fmt: skip
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--timeout", "60s", "-s", str(WRK_SCRIPT), url],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     line = next(line for line in out.stdout.splitlines() if line.startswith("WRK_JSON "))
     return json.loads(line.removeprefix("WRK_JSON "))
 
@@ -352,8 +378,16 @@ class RawMeter:
         return len(x) / float(np.median(times))
 
 
-def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, seconds: int,
-               concurrency: list[int], workers: list[int], peers: bool = True) -> None:  # fmt: skip
+def peer_table(
+    model: Path,
+    multilabel: Path | None,
+    tmp: Path,
+    rounds: int,
+    seconds: int,
+    concurrency: list[int],
+    workers: list[int],
+    peers: bool = True,
+) -> None:
     """Issue #11's table, with capserve at each of ``workers`` (CAPSERVE_WORKERS): raw batch-32 throughput, then each
     server's req/s and p50 at each of ``concurrency`` (req/s at 32 also ÷ the raw figure measured just before), errors
     and server CPU ms per request at the largest concurrency (medians over interleaved rounds)."""
@@ -370,24 +404,33 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
     onnx = str(model / "model.onnx")
     python, uvicorn = sys.executable, str(Path(sys.executable).with_name("uvicorn"))
     fastapi = [uvicorn, "benchmarks.peers.fastapi_server:app", "--log-level", "warning", "--port"]
-    fastapi_env = {"PEER_MODEL": onnx, **({"PEER_MULTILABEL_MODEL": str(multilabel / "model.onnx")} if multilabel
-                                          else {})}  # fmt: skip
+    fastapi_env = {
+        "PEER_MODEL": onnx,
+        **({"PEER_MULTILABEL_MODEL": str(multilabel / "model.onnx")} if multilabel else {}),
+    }
     servers: dict[str, tuple[Any, str, Path, str]] = {}  # row → (server, url path, upload, raw model key)
     started: list[Any] = []
     figures: dict[str, dict[str, list[float]]] = {}
     busiest = max(concurrency)
     try:
-        for name, module, command, env in [
-            ("FastAPI + ORT defaults", "fastapi", fastapi, fastapi_env),
-            ("FastAPI + ORT intra=cores inter=1", "fastapi", fastapi, {**fastapi_env, "PEER_CAREFUL": "1"}),
-            ("LitServe, batching 32 / 5 ms", "litserve", [python, str(PEERS / "litserve_server.py"), onnx], {}),
-        ] if peers else []:  # fmt: skip
+        for name, module, command, env in (
+            [
+                ("FastAPI + ORT defaults", "fastapi", fastapi, fastapi_env),
+                ("FastAPI + ORT intra=cores inter=1", "fastapi", fastapi, {**fastapi_env, "PEER_CAREFUL": "1"}),
+                ("LitServe, batching 32 / 5 ms", "litserve", [python, str(PEERS / "litserve_server.py"), onnx], {}),
+            ]
+            if peers
+            else []
+        ):
             try:
                 __import__(module)
                 peer = PeerServer(name, [*command, str(free_port())], tmp, png, env)
             except (ImportError, RuntimeError) as e:
-                print(f"{name}: skipped ({type(e).__name__}: {str(e)[-300:]}); `pip install fastapi uvicorn "
-                      "litserve` into this venv", flush=True)  # fmt: skip
+                print(
+                    f"{name}: skipped ({type(e).__name__}: {str(e)[-300:]}); `pip install fastapi uvicorn "
+                    "litserve` into this venv",
+                    flush=True,
+                )
                 continue
             started.append(peer)
             servers[f"{name} /classify"] = (peer, "/classify", png, "single")
@@ -440,8 +483,10 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
     )
     heads = "".join(f"{f'c={c} req/s':>12s}{'p50 ms':>8s}" for c in concurrency)
     print(f"  {'server':46s}{heads}{'÷ raw':>7s}{'errors':>7s}{'CPU ms':>7s}")
-    for key, label in (("single", "raw ONNX Runtime, batch 32, in-process"),
-                       ("multi", "raw ONNX Runtime, multi-label model, batch 32")):  # fmt: skip
+    for key, label in (
+        ("single", "raw ONNX Runtime, batch 32, in-process"),
+        ("multi", "raw ONNX Runtime, multi-label model, batch 32"),
+    ):
         measured = [r for name, f in figures.items() if servers[name][3] == key for r in f["raw"]]
         if measured:
             print(f"  {label:46s}{np.median(measured):12.1f}  (img/s)")
@@ -467,10 +512,18 @@ def peer_table(model: Path, multilabel: Path | None, tmp: Path, rounds: int, sec
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=ROOT / "models" / "cifar10", help="model directory with model.onnx")
-    p.add_argument("--multilabel-model", type=Path, default=ROOT / "models" / "multimnist",
-                   help="multi-label model directory for /multilabel ('none' or missing: skip)")  # fmt: skip
-    p.add_argument("--configs", nargs="+", default=["onnxruntime:fp32", "torch:bf16"],
-                   help="served backend:precision pairs (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--multilabel-model",
+        type=Path,
+        default=ROOT / "models" / "multimnist",
+        help="multi-label model directory for /multilabel ('none' or missing: skip)",
+    )
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=["onnxruntime:fp32", "torch:bf16"],
+        help="served backend:precision pairs (default %(default)s)",
+    )
     p.add_argument("--batching", nargs="+", choices=["on", "off"], default=["on", "off"])
     p.add_argument("--requests", type=int, default=300, help="requests per concurrency level and server")
     p.add_argument("--rounds", type=int, default=5, help="turns each server takes per measurement (interleaving)")
@@ -483,8 +536,13 @@ def main() -> None:
     table.add_argument("--no-table", action="store_true", help="skip issue #11's table (no wrk needed)")
     p.add_argument("--table-rounds", type=int, default=3, help="interleaved rounds of the table (medians)")
     p.add_argument("--table-seconds", type=int, default=5, help="seconds of each wrk run in the table")
-    p.add_argument("--table-concurrency", type=int, nargs="+", default=[1, 32, 128],
-                   help="wrk connections of the table's runs (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--table-concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 32, 128],
+        help="wrk connections of the table's runs (default %(default)s)",
+    )
     p.add_argument(
         "--table-workers",
         type=int,
@@ -496,8 +554,11 @@ def main() -> None:
     args = p.parse_args()
     for config in args.configs:
         backend, _, precision = config.partition(":")
-        if backend not in ("onnxruntime", "torch") or precision not in ("fp32", "bf16") or (
-            backend == "onnxruntime" and precision != "fp32"):  # fmt: skip
+        if (
+            backend not in ("onnxruntime", "torch")
+            or precision not in ("fp32", "bf16")
+            or (backend == "onnxruntime" and precision != "fp32")
+        ):
             p.error(f"--configs {config}: use onnxruntime:fp32, torch:fp32 or torch:bf16")
 
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -508,16 +569,27 @@ def main() -> None:
             model = random_model(tmp / "cifar10")
         multilabel = args.multilabel_model if (args.multilabel_model / "model.onnx").is_file() else None
         if not args.no_table:
-            peer_table(model, multilabel, tmp, args.table_rounds, args.table_seconds, args.table_concurrency,
-                       args.table_workers, peers=not args.no_peers)  # fmt: skip
+            peer_table(
+                model,
+                multilabel,
+                tmp,
+                args.table_rounds,
+                args.table_seconds,
+                args.table_concurrency,
+                args.table_workers,
+                peers=not args.no_peers,
+            )
             if args.table_only:
                 return
         meta = load_runtime(model / "model.onnx").metadata
         bodies = pngs(64, meta.image_size)
         ml_bodies = pngs(64, load_runtime(multilabel).metadata.image_size) if multilabel else []
-        print(f"model {meta.name}, T={meta.iterations}, input {meta.input_shape}, multi-label {multilabel}, "
-              f"{os.cpu_count()} CPUs, {args.requests} requests per level and server in {args.rounds} interleaved "
-              "rounds", flush=True)  # fmt: skip
+        print(
+            f"model {meta.name}, T={meta.iterations}, input {meta.input_shape}, multi-label {multilabel}, "
+            f"{os.cpu_count()} CPUs, {args.requests} requests per level and server in {args.rounds} interleaved "
+            "rounds",
+            flush=True,
+        )
 
         sizes = sorted({1, 8, *args.concurrency, *([args.batch_images] if args.batch_images else [])})
         raw = raw_throughput(model, args.configs, sizes, seconds=4.0 * len(args.configs))
@@ -533,10 +605,13 @@ def main() -> None:
             for config in args.configs:
                 backend, precision = config.split(":")
                 for batching in args.batching:  # each with one worker, as docs/benchmarks.md measured
-                    env = {"CAPSERVE_BACKEND": backend, "CAPSERVE_PRECISION": precision,
-                           "CAPSERVE_MAX_BATCH_SIZE": str(max(args.concurrency)) if batching == "on" else "1",
-                           "CAPSERVE_MAX_LATENCY_MS": str(args.max_latency_ms),
-                           "CAPSERVE_WORKERS": "1"}  # fmt: skip
+                    env = {
+                        "CAPSERVE_BACKEND": backend,
+                        "CAPSERVE_PRECISION": precision,
+                        "CAPSERVE_MAX_BATCH_SIZE": str(max(args.concurrency)) if batching == "on" else "1",
+                        "CAPSERVE_MAX_LATENCY_MS": str(args.max_latency_ms),
+                        "CAPSERVE_WORKERS": "1",
+                    }
                     servers[f"{config} batching {batching}"] = Server(model, multilabel, tmp, **env)
             for server in servers.values():
                 asyncio.run(load(server.url, bodies, 50, 8))  # warm-up
@@ -545,8 +620,10 @@ def main() -> None:
                 "\nHTTP (raw PNG bodies; /classify_batch: multipart), images/s, servers interleaved; vs raw: the raw "
                 "runtime at the batch the concurrency allows (classify_batch: its images per request; explain: 1)"
             )
-            print(f"  {'server':26s} {'endpoint':18s} {'conc':>4s} {'img/s':>8s} {'p50 ms':>8s} {'p95 ms':>8s} "
-                  f"{'p99 ms':>8s} {'errors':>6s} {'vs raw':>8s}")  # fmt: skip
+            print(
+                f"  {'server':26s} {'endpoint':18s} {'conc':>4s} {'img/s':>8s} {'p50 ms':>8s} {'p95 ms':>8s} "
+                f"{'p99 ms':>8s} {'errors':>6s} {'vs raw':>8s}"
+            )
             raw_of = {name: name.split()[0] for name in servers}
             for c in args.concurrency:
                 for name, result in measure(servers, args.rounds, args.requests, bodies, c).items():
@@ -556,14 +633,22 @@ def main() -> None:
                     row(name, "/explain", c, result, 1, raw[raw_of[name]]["explain@1"])
             if multilabel:
                 for c in (1, 8):
-                    for name, result in measure(servers, args.rounds, args.requests, ml_bodies, c,
-                                                "/multilabel").items():  # fmt: skip
+                    for name, result in measure(
+                        servers, args.rounds, args.requests, ml_bodies, c, "/multilabel"
+                    ).items():
                         row(name, "/multilabel", c, result, 1, ml_raw[raw_of[name]][f"predict@{c}"])
             if args.batch_images:
                 B = args.batch_images
                 on = {name: server for name, server in servers.items() if name.endswith("on")}  # no batching used
-                results = measure(on or servers, args.rounds, max(args.requests // B, args.rounds), bodies, 1,
-                                  "/classify_batch?top_k=1", batch=B)  # fmt: skip
+                results = measure(
+                    on or servers,
+                    args.rounds,
+                    max(args.requests // B, args.rounds),
+                    bodies,
+                    1,
+                    "/classify_batch?top_k=1",
+                    batch=B,
+                )
                 for name, result in results.items():
                     row(name, f"/classify_batch {B}", 1, result, B, raw[raw_of[name]][f"predict@{B}"])
             for name, server in servers.items():
@@ -576,9 +661,11 @@ def main() -> None:
                         for k, v in errors.items():
                             total_errors[k] = total_errors.get(k, 0) + v
                         rss.append(server.rss_mib())
-                    print(f"\n{name}: resident memory over {args.rss_requests} requests (concurrency 32): start "
-                          f"{rss[0]:.0f} MiB, end {rss[-1]:.0f} MiB, max {max(rss):.0f} MiB, drift "
-                          f"{rss[-1] / rss[0] - 1:+.1%}, errors {total_errors or 0}")  # fmt: skip
+                    print(
+                        f"\n{name}: resident memory over {args.rss_requests} requests (concurrency 32): start "
+                        f"{rss[0]:.0f} MiB, end {rss[-1]:.0f} MiB, max {max(rss):.0f} MiB, drift "
+                        f"{rss[-1] / rss[0] - 1:+.1%}, errors {total_errors or 0}"
+                    )
                     print("  per step: " + " ".join(f"{r:.0f}" for r in rss), flush=True)
         finally:
             for server in servers.values():

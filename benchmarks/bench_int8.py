@@ -58,8 +58,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--models", default="cifar10,multimnist", help="comma-separated shipped models")
     args = p.parse_args()
-    print(f"{'model':<12}{'precision':<10}{'backend':<13}{'b1 img/s':>9}{'b32 img/s':>10}{'x fp32':>7}"
-          f"{'metric':>13}{'score':>8}{'size MB':>8}")  # fmt: skip
+    print(
+        f"{'model':<12}{'precision':<10}{'backend':<13}{'b1 img/s':>9}{'b32 img/s':>10}{'x fp32':>7}"
+        f"{'metric':>13}{'score':>8}{'size MB':>8}"
+    )
     for name, dataset, data in (("cifar10", "cifar10", args.cifar10), ("multimnist", "multimnist", args.mnist)):
         if name not in args.models.split(","):
             continue
@@ -78,13 +80,16 @@ def main() -> None:
             meta = runs["fp32"][0].metadata
             x = normalize_images(test.images[:n].numpy(), meta)
             targets = test.targets[:n].numpy()
-            speed = {k: (throughput(r, x, 1, args.reps * 4), throughput(r, x, 32, args.reps))
-                     for k, (r, _) in runs.items()}  # fmt: skip
+            speed = {
+                k: (throughput(r, x, 1, args.reps * 4), throughput(r, x, 32, args.reps)) for k, (r, _) in runs.items()
+            }
             metric = "exact match" if meta.task == "multi_label" else "top-1"
             for k, (r, path) in runs.items():
                 b1, b32 = speed[k]
-                row = (f"{name:<12}{k:<10}{r.backend:<13}{b1:>9.1f}{b32:>10.1f}{b32 / speed['fp32'][1]:>7.2f}"
-                       f"{metric:>13}{scores(r, x, targets):>8.2%}{path.stat().st_size / 1e6:>8.1f}")  # fmt: skip
+                row = (
+                    f"{name:<12}{k:<10}{r.backend:<13}{b1:>9.1f}{b32:>10.1f}{b32 / speed['fp32'][1]:>7.2f}"
+                    f"{metric:>13}{scores(r, x, targets):>8.2%}{path.stat().st_size / 1e6:>8.1f}"
+                )
                 print(row, flush=True)
             print(f"# {name}: scored on the first {n} of {len(test)} test images")
 

@@ -219,8 +219,9 @@ def _onnx_timing_child(path: str, batch: int, threads: int, repeats: int) -> Non
     print(json.dumps({label: statistics.median(t) * 1e3 for label, t in times.items()}))
 
 
-def print_peak_rows(name: str, eager: list[tuple[int, int]], onnx: list[tuple[int, int]], threads: int,
-                    repeats: int) -> None:  # fmt: skip
+def print_peak_rows(
+    name: str, eager: list[tuple[int, int]], onnx: list[tuple[int, int]], threads: int, repeats: int
+) -> None:
     """Peak-memory rows alone (each a fresh subprocess), eager PyTorch and ONNX Runtime (capserve's wrapper: whole
     batches with and without its memory arena, and chunks from its default memory budget), with ONNX Runtime's
     median ms per batch, the variants interleaved in one process."""
@@ -244,8 +245,10 @@ def print_peak_rows(name: str, eager: list[tuple[int, int]], onnx: list[tuple[in
                     label = f"{label} of {data['chunk']}"
                 base, peak = data["base"], data["peak"]
                 runtime = f"onnxruntime, {label}"
-                print(f"{name:<18}{runtime:<34}{batch:>5}{T:>3}{base:>9.0f}{peak:>9.0f}{peak - base:>13.0f}"
-                      f"{ms[label.split(' of ')[0]]:>10.0f}")  # fmt: skip
+                print(
+                    f"{name:<18}{runtime:<34}{batch:>5}{T:>3}{base:>9.0f}{peak:>9.0f}{peak - base:>13.0f}"
+                    f"{ms[label.split(' of ')[0]]:>10.0f}"
+                )
 
 
 def fused_kernel_state() -> str:

@@ -45,8 +45,9 @@ REPO = Path(__file__).resolve().parents[1]
 # ------------------------------------------------------------------------------------------------ data sets
 
 
-def make_pairs(digits: np.ndarray, labels: np.ndarray, n: int, split: str, root: Path,
-               rng: np.random.Generator) -> list[tuple[str, str, str]]:  # fmt: skip
+def make_pairs(
+    digits: np.ndarray, labels: np.ndarray, n: int, split: str, root: Path, rng: np.random.Generator
+) -> list[tuple[str, str, str]]:
     """``n`` 32×32 RGB PNGs holding two different digits (16×16) in two different quadrants; CSV rows."""
     (root / split).mkdir(parents=True, exist_ok=True)
     rows = []
@@ -70,8 +71,9 @@ def build_pairs(data: Path, root: Path, n_train: int, n_test: int) -> Path:
     rng = np.random.default_rng(0)
     train_d, train_l = (t.numpy() for t in load_mnist(data, train=True))
     test_d, test_l = (t.numpy() for t in load_mnist(data, train=False))
-    rows = make_pairs(train_d, train_l, n_train, "train", root, rng) + make_pairs(test_d, test_l, n_test, "test",
-                                                                                 root, rng)  # fmt: skip
+    rows = make_pairs(train_d, train_l, n_train, "train", root, rng) + make_pairs(
+        test_d, test_l, n_test, "test", root, rng
+    )
     path = root / "pairs.csv"
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -124,12 +126,23 @@ def train(name: str, args: list[str], out: Path, augment: str, weight_decay: str
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rates = sorted(r["images_per_s"] for r in rows)
     decay = json.loads((out / "train_config.json").read_text())["weight_decay"]
-    result = {"run": name, "augment": summary.get("augment"), "weight_decay": decay,
-              "test_acc": summary.get("test_acc"), "best_val_acc": summary.get("best_val_acc"), "epochs": len(rows),
-              "median_images_per_s": rates[len(rates) // 2], "wall_s": round(wall, 1), "command": shown}  # fmt: skip
-    print(f"[{name}] augment {result['augment']}, weight decay {decay:g}: test {100 * (result['test_acc'] or 0):.1f} "
-          f"%, best val {100 * (result['best_val_acc'] or 0):.1f} %, {result['median_images_per_s']:.1f} images/s "
-          f"(median epoch), {wall:.0f} s wall", flush=True)  # fmt: skip
+    result = {
+        "run": name,
+        "augment": summary.get("augment"),
+        "weight_decay": decay,
+        "test_acc": summary.get("test_acc"),
+        "best_val_acc": summary.get("best_val_acc"),
+        "epochs": len(rows),
+        "median_images_per_s": rates[len(rates) // 2],
+        "wall_s": round(wall, 1),
+        "command": shown,
+    }
+    print(
+        f"[{name}] augment {result['augment']}, weight decay {decay:g}: test {100 * (result['test_acc'] or 0):.1f} "
+        f"%, best val {100 * (result['best_val_acc'] or 0):.1f} %, {result['median_images_per_s']:.1f} images/s "
+        f"(median epoch), {wall:.0f} s wall",
+        flush=True,
+    )
     return result
 
 
@@ -174,9 +187,27 @@ def main() -> None:
                 csv_path = work / "pairs" / "pairs.csv"
                 if not csv_path.is_file():
                     build_pairs(data, work / "pairs", a.pairs_train, a.pairs_test)
-                pairs = ["--model", "multimnist-matrix-small", "--data", str(csv_path), "--set", "image_size=32",
-                         "--epochs", str(a.pairs_epochs), "--batch-size", "64", "--optimizer", "sgd", "--lr", "0.05",
-                         "--schedule", "onecycle", "--val-size", "0.1", *sgd_decay]  # fmt: skip
+                pairs = [
+                    "--model",
+                    "multimnist-matrix-small",
+                    "--data",
+                    str(csv_path),
+                    "--set",
+                    "image_size=32",
+                    "--epochs",
+                    str(a.pairs_epochs),
+                    "--batch-size",
+                    "64",
+                    "--optimizer",
+                    "sgd",
+                    "--lr",
+                    "0.05",
+                    "--schedule",
+                    "onecycle",
+                    "--val-size",
+                    "0.1",
+                    *sgd_decay,
+                ]
                 results.append(train("pairs", pairs, work / f"run-pairs-{tag}", policy, decay))
             if "cifar" in parts:
                 folder = work / "cifar64"
@@ -184,21 +215,60 @@ def main() -> None:
                     build_cifar_folder(data, folder, a.cifar_train, a.cifar_test)
                 common = ["--data", str(folder), "--epochs", str(a.cifar_epochs), "--batch-size", "32"]
                 tune = ["--init", a.init, *common, "--optimizer", "sgd", "--lr", "0.02", "--schedule", "cosine"]
-                results.append(train("cifar fine-tune, frozen backbone", [*tune, "--freeze", "backbone"],
-                                     work / f"run-cifar-frozen-{tag}", policy, decay))  # fmt: skip
+                results.append(
+                    train(
+                        "cifar fine-tune, frozen backbone",
+                        [*tune, "--freeze", "backbone"],
+                        work / f"run-cifar-frozen-{tag}",
+                        policy,
+                        decay,
+                    )
+                )
                 results.append(train("cifar fine-tune", tune, work / f"run-cifar-ft-{tag}", policy, decay))
-                scratch = ["--model", "cifar10-simple", *common, "--optimizer", "sgd", "--lr", "0.1", "--schedule",
-                           "onecycle", *sgd_decay]  # fmt: skip
+                scratch = [
+                    "--model",
+                    "cifar10-simple",
+                    *common,
+                    "--optimizer",
+                    "sgd",
+                    "--lr",
+                    "0.1",
+                    "--schedule",
+                    "onecycle",
+                    *sgd_decay,
+                ]
                 results.append(train("cifar from scratch", scratch, work / f"run-cifar-scratch-{tag}", policy, decay))
             if "mnist" in parts:
                 folder = work / "mnist"
                 if not folder.is_dir():
                     build_mnist_folder(data, folder, a.mnist_train, a.mnist_test)
-                results.append(train("mnist", ["--model", "multimnist-matrix-small", "--data", str(folder),
-                                               "--image-size", "32", "--epochs", str(a.mnist_epochs), "--batch-size",
-                                               "64", "--optimizer", "sgd", "--lr", "0.05", "--schedule", "onecycle",
-                                               *sgd_decay],
-                                     work / f"run-mnist-{tag}", policy, decay))  # fmt: skip
+                results.append(
+                    train(
+                        "mnist",
+                        [
+                            "--model",
+                            "multimnist-matrix-small",
+                            "--data",
+                            str(folder),
+                            "--image-size",
+                            "32",
+                            "--epochs",
+                            str(a.mnist_epochs),
+                            "--batch-size",
+                            "64",
+                            "--optimizer",
+                            "sgd",
+                            "--lr",
+                            "0.05",
+                            "--schedule",
+                            "onecycle",
+                            *sgd_decay,
+                        ],
+                        work / f"run-mnist-{tag}",
+                        policy,
+                        decay,
+                    )
+                )
     finally:
         if not a.work:
             shutil.rmtree(work, ignore_errors=True)

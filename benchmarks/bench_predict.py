@@ -57,17 +57,20 @@ def write_pngs(data: Path, folder: Path, n: int) -> None:
 
 
 # runs ``capserve.cli`` with the arguments after it, then reports its own peak resident size (KiB) on stderr
-PEAK = ("import atexit, resource, runpy, sys; atexit.register(lambda: print('PEAK', resource.getrusage("
-        "resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)); sys.argv = sys.argv[1:]; "
-        "runpy.run_module('capserve.cli', run_name='__main__')")  # fmt: skip
+PEAK = (
+    "import atexit, resource, runpy, sys; atexit.register(lambda: print('PEAK', resource.getrusage("
+    "resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)); sys.argv = sys.argv[1:]; "
+    "runpy.run_module('capserve.cli', run_name='__main__')"
+)
 
 
 def predict_run(args: list[str]) -> tuple[float, float, float]:
     """``capserve predict ARGS`` in a child process: wall seconds, the images/s of its own summary (from the first
     path read to the last row written: start-up excluded) and its peak resident size in MiB."""
     t = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", PEAK, "capserve", "predict", *args], capture_output=True, text=True,
-                          check=True, cwd=REPO)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK, "capserve", "predict", *args], capture_output=True, text=True, check=True, cwd=REPO
+    )
     wall = time.perf_counter() - t
     peak = next(int(line.split()[1]) for line in done.stderr.splitlines() if line.startswith("PEAK "))
     summary = next(line for line in done.stderr.splitlines() if line.startswith("capserve predict: "))
@@ -87,24 +90,38 @@ def main() -> None:
     small, large = work / "tenth", work / "all"
     write_pngs(Path(a.data), large, a.images)
     write_pngs(Path(a.data), small, max(1, a.images // 10))
-    runtime_rate = float(subprocess.run([sys.executable, "-c", RUNTIME, a.model, str(a.images), str(a.batch_size)],
-                                        capture_output=True, text=True, check=True, cwd=REPO).stdout)  # fmt: skip
+    runtime_rate = float(
+        subprocess.run(
+            [sys.executable, "-c", RUNTIME, a.model, str(a.images), str(a.batch_size)],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=REPO,
+        ).stdout
+    )
     results = {"model": a.model, "images": a.images, "batch_size": a.batch_size, "runtime_images_per_s": runtime_rate}
     for name, folder in (("tenth", small), ("all", large)):
         rows = work / f"rows-{name}.csv"
         rows.unlink(missing_ok=True)
         wall, rate, peak = predict_run([a.model, str(folder), "--out", str(rows), "--batch-size", str(a.batch_size)])
         n = len(list(folder.glob("*.png")))
-        results[name] = {"images": n, "wall_s": round(wall, 1), "images_per_s": round(n / wall, 1),
-                         "streaming_images_per_s": rate, "peak_rss_mib": round(peak, 1)}  # fmt: skip
+        results[name] = {
+            "images": n,
+            "wall_s": round(wall, 1),
+            "images_per_s": round(n / wall, 1),
+            "streaming_images_per_s": rate,
+            "peak_rss_mib": round(peak, 1),
+        }
     results["predict_vs_runtime"] = round(results["all"]["images_per_s"] / runtime_rate, 3)
     results["streaming_vs_runtime"] = round(results["all"]["streaming_images_per_s"] / runtime_rate, 3)
     print(json.dumps(results, indent=1))
-    print(f"runtime {runtime_rate:.1f} img/s; capserve predict {results['all']['images_per_s']} img/s on "
-          f"{results['all']['images']} PNGs ({results['predict_vs_runtime']:.2f}× the runtime, start-up included; "
-          f"{results['streaming_vs_runtime']:.2f}× from the first image on); "
-          f"peak RSS {results['tenth']['peak_rss_mib']} MiB for {results['tenth']['images']} images, "
-          f"{results['all']['peak_rss_mib']} MiB for {results['all']['images']}")  # fmt: skip
+    print(
+        f"runtime {runtime_rate:.1f} img/s; capserve predict {results['all']['images_per_s']} img/s on "
+        f"{results['all']['images']} PNGs ({results['predict_vs_runtime']:.2f}× the runtime, start-up included; "
+        f"{results['streaming_vs_runtime']:.2f}× from the first image on); "
+        f"peak RSS {results['tenth']['peak_rss_mib']} MiB for {results['tenth']['images']} images, "
+        f"{results['all']['peak_rss_mib']} MiB for {results['all']['images']}"
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,9 @@ def routing_models() -> tuple[dict[str, str], list[str]]:
     return found, [alg for alg in ROUTING_ALGORITHMS if alg not in found]
 
 
-def latencies(name: str, Ts: list[int | None], batch: int, repeats: int, threads: int, onnx: bool,
-              folder: Path) -> dict[tuple[int | None, str], float]:  # fmt: skip
+def latencies(
+    name: str, Ts: list[int | None], batch: int, repeats: int, threads: int, onnx: bool, folder: Path
+) -> dict[tuple[int | None, str], float]:
     """Median seconds per batch: (T, "eager" | "ort") → seconds, all of one model timed round-robin."""
     torch.manual_seed(0)
     model = capserve.create_model(name).eval()
@@ -90,13 +91,23 @@ def main() -> None:
     found, missing = routing_models()
     rows = [(alg, name, list(args.iterations)) for alg, name in found.items()]
     rows += [("none (CNN)", name, [None]) for name in CNN_ROWS]
-    print(f"torch {torch.__version__}, {args.threads} threads, batch {args.batch}, median of {args.repeats} "
-          "interleaved rounds; random weights")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, batch {args.batch}, median of {args.repeats} "
+        "interleaved rounds; random weights"
+    )
     if missing:
         print(f"skipped (no CIFAR-10 simple-backbone config in this checkout): {', '.join(missing)} routing")
     print()
-    columns = ["routing", "model", "parameters", "T", "eager ms", "ONNX Runtime ms", "eager peak MB (Δ)",
-               "ONNX Runtime peak MB (Δ)"]  # fmt: skip
+    columns = [
+        "routing",
+        "model",
+        "parameters",
+        "T",
+        "eager ms",
+        "ONNX Runtime ms",
+        "eager peak MB (Δ)",
+        "ONNX Runtime peak MB (Δ)",
+    ]
     print("| " + " | ".join(columns) + " |")
     print("|---|---|" + "---:|" * (len(columns) - 2))
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,8 +127,11 @@ def main() -> None:
                         peak_data = onnx_peak_rss_mb(path, args.batch, args.threads, "default", True)
                         base, peak = peak_data["base"], peak_data["peak"]
                         ort_mb = f"{peak:.0f} ({peak - base:+.0f})"
-                print(f"| {routing} | {name} | {parameters:,} | {'—' if T is None else T} | {eager_ms} | {ort_ms} | "
-                      f"{eager_mb} | {ort_mb} |", flush=True)  # fmt: skip
+                print(
+                    f"| {routing} | {name} | {parameters:,} | {'—' if T is None else T} | {eager_ms} | {ort_ms} | "
+                    f"{eager_mb} | {ort_mb} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

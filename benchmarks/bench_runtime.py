@@ -70,9 +70,11 @@ def main() -> None:
         n = min(args.limit, len(split))
         test = (normalize(split.images[:n], c.mean, c.std).numpy(), split.targets[:n].numpy())
 
-    print(f"{c.name} ({'checkpoint ' + args.checkpoint if args.checkpoint else 'random weights'}), "
-          f"{args.threads} threads, torch {torch.__version__}, median of {args.repeats} (batch 1) / "
-          f"{args.repeats_64} (batch 64) interleaved runs; × = speed-up over eager fp32")  # fmt: skip
+    print(
+        f"{c.name} ({'checkpoint ' + args.checkpoint if args.checkpoint else 'random weights'}), "
+        f"{args.threads} threads, torch {torch.__version__}, median of {args.repeats} (batch 1) / "
+        f"{args.repeats_64} (batch 64) interleaved runs; × = speed-up over eager fp32"
+    )
     header = (
         f"{'T':>2} {'variant':<22} {'b1 ms':>8} {'b1 ×':>6} {'b64 img/s':>10} {'b64 ×':>6} {'max|Δ|':>9} {'top-1':>7}"
     )
@@ -115,8 +117,10 @@ def main() -> None:
                 diff = float(np.abs(out - reference).max())
                 agree = float((out.argmax(1) == reference.argmax(1)).mean())
                 speedup1, speedup64 = t1["eager fp32"] / t1[name], t64["eager fp32"] / t64[name]
-                line = (f"{T:>2} {name:<20} {t1[name] * 1e3:>8.2f} {speedup1:>6.2f} {64 / t64[name]:>10.1f} "
-                        f"{speedup64:>6.2f} {diff:>9.2e} {agree:>7.3f}")  # fmt: skip
+                line = (
+                    f"{T:>2} {name:<20} {t1[name] * 1e3:>8.2f} {speedup1:>6.2f} {64 / t64[name]:>10.1f} "
+                    f"{speedup64:>6.2f} {diff:>9.2e} {agree:>7.3f}"
+                )
                 if test:
                     images, labels = test
                     preds = np.concatenate([fn(images[i : i + 64]).argmax(1) for i in range(0, len(images), 64)])

@@ -60,8 +60,11 @@ def main() -> None:
         took = time.perf_counter() - t0
         r = score(fp32, int8, cal.held_out, cal.targets, cal.split, 0.97)
         ratio = speed(int8, cal.held_out) / speed(fp32, cal.held_out)
-        print(f"{name} {variant:<40} agreement {r.check.agreement:.4f} {r.metric} fp32 {r.fp32_accuracy:.2%} "
-              f"int8 {r.int8_accuracy:.2%} b32 x{ratio:.2f} quantized in {took:.0f} s", flush=True)  # fmt: skip
+        print(
+            f"{name} {variant:<40} agreement {r.check.agreement:.4f} {r.metric} fp32 {r.fp32_accuracy:.2%} "
+            f"int8 {r.int8_accuracy:.2%} b32 x{ratio:.2f} quantized in {took:.0f} s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

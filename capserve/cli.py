@@ -58,14 +58,17 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"{'name':<30}{'task':<14}{'classes':>7}  {'model':<34}{'backbone':<10}{'parameters':>12}")
     for name, config in sorted(MODELS.items()):
-        print(f"{name:<30}{config.task:<14}{config.num_classes:>7}  {kind(config):<34}{config.backbone:<10}"
-              f"{parameter_count(config):>12,}")  # fmt: skip
+        print(
+            f"{name:<30}{config.task:<14}{config.num_classes:>7}  {kind(config):<34}{config.backbone:<10}"
+            f"{parameter_count(config):>12,}"
+        )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="capserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="capserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     argv = sys.argv[1:] if argv is None else argv

@@ -13,17 +13,107 @@ from typing import Any, Literal
 
 CIFAR10_LABELS = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR100_LABELS = (
-    "apple", "aquarium_fish", "baby", "bear", "beaver", "bed", "bee", "beetle", "bicycle", "bottle", "bowl", "boy",
-    "bridge", "bus", "butterfly", "camel", "can", "castle", "caterpillar", "cattle", "chair", "chimpanzee", "clock",
-    "cloud", "cockroach", "couch", "crab", "crocodile", "cup", "dinosaur", "dolphin", "elephant", "flatfish", "forest",
-    "fox", "girl", "hamster", "house", "kangaroo", "keyboard", "lamp", "lawn_mower", "leopard", "lion", "lizard",
-    "lobster", "man", "maple_tree", "motorcycle", "mountain", "mouse", "mushroom", "oak_tree", "orange", "orchid",
-    "otter", "palm_tree", "pear", "pickup_truck", "pine_tree", "plain", "plate", "poppy", "porcupine", "possum",
-    "rabbit", "raccoon", "ray", "road", "rocket", "rose", "sea", "seal", "shark", "shrew", "skunk", "skyscraper",
-    "snail", "snake", "spider", "squirrel", "streetcar", "sunflower", "sweet_pepper", "table", "tank", "telephone",
-    "television", "tiger", "tractor", "train", "trout", "tulip", "turtle", "wardrobe", "whale", "willow_tree", "wolf",
-    "woman", "worm",
-)  # fmt: skip
+    "apple",
+    "aquarium_fish",
+    "baby",
+    "bear",
+    "beaver",
+    "bed",
+    "bee",
+    "beetle",
+    "bicycle",
+    "bottle",
+    "bowl",
+    "boy",
+    "bridge",
+    "bus",
+    "butterfly",
+    "camel",
+    "can",
+    "castle",
+    "caterpillar",
+    "cattle",
+    "chair",
+    "chimpanzee",
+    "clock",
+    "cloud",
+    "cockroach",
+    "couch",
+    "crab",
+    "crocodile",
+    "cup",
+    "dinosaur",
+    "dolphin",
+    "elephant",
+    "flatfish",
+    "forest",
+    "fox",
+    "girl",
+    "hamster",
+    "house",
+    "kangaroo",
+    "keyboard",
+    "lamp",
+    "lawn_mower",
+    "leopard",
+    "lion",
+    "lizard",
+    "lobster",
+    "man",
+    "maple_tree",
+    "motorcycle",
+    "mountain",
+    "mouse",
+    "mushroom",
+    "oak_tree",
+    "orange",
+    "orchid",
+    "otter",
+    "palm_tree",
+    "pear",
+    "pickup_truck",
+    "pine_tree",
+    "plain",
+    "plate",
+    "poppy",
+    "porcupine",
+    "possum",
+    "rabbit",
+    "raccoon",
+    "ray",
+    "road",
+    "rocket",
+    "rose",
+    "sea",
+    "seal",
+    "shark",
+    "shrew",
+    "skunk",
+    "skyscraper",
+    "snail",
+    "snake",
+    "spider",
+    "squirrel",
+    "streetcar",
+    "sunflower",
+    "sweet_pepper",
+    "table",
+    "tank",
+    "telephone",
+    "television",
+    "tiger",
+    "tractor",
+    "train",
+    "trout",
+    "tulip",
+    "turtle",
+    "wardrobe",
+    "whale",
+    "willow_tree",
+    "wolf",
+    "woman",
+    "worm",
+)
 DIGIT_LABELS = tuple(str(d) for d in range(10))
 # The authors' CIFAR normalisation (their code's std, not the dataset's measured one).
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -121,8 +211,10 @@ class ModelConfig:
         if self.head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
         if self.backbone == "resnet18" and (self.head == "capsules" or self.capsules):
-            raise ValueError("the resnet18 backbone is a complete CNN: use it with head='avgpool' or 'fc' and no "
-                             "capsule layers (capsules=())")  # fmt: skip
+            raise ValueError(
+                "the resnet18 backbone is a complete CNN: use it with head='avgpool' or 'fc' and no "
+                "capsule layers (capsules=())"
+            )
         if self.pose not in ("matrix", "vector"):
             raise ValueError(f"pose must be 'matrix' or 'vector', got {self.pose!r}")
         if self.routing not in ("concurrent", "sequential"):
@@ -132,8 +224,10 @@ class ModelConfig:
         if self.class_weights not in ("per_position", "shared"):
             raise ValueError(f"class_weights must be 'per_position' or 'shared', got {self.class_weights!r}")
         if self.class_weights == "shared" and self.routing_algorithm != "attention":
-            raise ValueError(f"class_weights='shared' is attention routing's; {self.routing_algorithm} routing "
-                             "brings its own class layer")  # fmt: skip
+            raise ValueError(
+                f"class_weights='shared' is attention routing's; {self.routing_algorithm} routing "
+                "brings its own class layer"
+            )
         if self.routing_algorithm != "attention" and self.routing != "sequential":
             raise ValueError(
                 f"{self.routing_algorithm} routing runs all iterations of a layer before the next, as its paper "
@@ -225,11 +319,21 @@ def _cifar_layers(extra_fc: tuple[int, ...] = ()) -> tuple[CapsuleLayerConfig, .
 
 
 _MULTIMNIST = dict(
-    labels=DIGIT_LABELS, task="multi_label", image_size=36, mean=MNIST_MEAN, std=MNIST_STD,
-    backbone="simple", backbone_channels=1024, backbone_stride=2,
-    primary_types=16, primary_kernel=3, primary_stride=2, primary_padding=1, pose_dim=64,
+    labels=DIGIT_LABELS,
+    task="multi_label",
+    image_size=36,
+    mean=MNIST_MEAN,
+    std=MNIST_STD,
+    backbone="simple",
+    backbone_channels=1024,
+    backbone_stride=2,
+    primary_types=16,
+    primary_kernel=3,
+    primary_stride=2,
+    primary_padding=1,
+    pose_dim=64,
     capsules=(CapsuleLayerConfig("conv", 16, kernel_size=3, stride=1), CapsuleLayerConfig("fc", 10)),
-)  # fmt: skip
+)
 _MULTIMNIST_SMALL = {**_MULTIMNIST, "backbone_channels": 256, "pose_dim": 16}
 
 # Dynamic routing (Sabour et al. 2017) in the same networks: vector poses squashed (primary capsules too; no
@@ -245,9 +349,12 @@ _EM = dict(routing_algorithm="em", routing="sequential", pose="matrix", pose_dim
 # Hinton et al.'s layout, conv capsules straight into the class capsules (with coordinate addition): an fc capsule
 # layer in between, as in our DiverseMultiMNIST configs, left the short CPU runs at chance (docs/routing.md, EM routing)
 _MULTIMNIST_EM_SMALL = {
-    **_MULTIMNIST, **_EM, "backbone_channels": 256, "primary_types": 8,
+    **_MULTIMNIST,
+    **_EM,
+    "backbone_channels": 256,
+    "primary_types": 8,
     "capsules": (CapsuleLayerConfig("conv", 8, kernel_size=3, stride=2),),
-}  # fmt: skip
+}
 
 MODELS: dict[str, ModelConfig] = {
     c.name: c

@@ -72,9 +72,13 @@ FUSED_MIN_IMAGE_RUNS = 20_000
 
 
 @torch.no_grad()
-def predict_batches(model: Model, batches: Iterable[Tensor], iterations: Sequence[int | None],
-                    device: str | torch.device = "cpu", images: int | None = None
-                    ) -> dict[int | None, Tensor]:  # fmt: skip
+def predict_batches(
+    model: Model,
+    batches: Iterable[Tensor],
+    iterations: Sequence[int | None],
+    device: str | torch.device = "cpu",
+    images: int | None = None,
+) -> dict[int | None, Tensor]:
     """Logits (N, C) float32 on the CPU per routing iteration count, from uint8 image batches (b, C, H, W).
 
     Each batch runs at every T before the next is read, so a streaming ``batches`` keeps one batch in memory.
@@ -86,8 +90,9 @@ def predict_batches(model: Model, batches: Iterable[Tensor], iterations: Sequenc
         return _predict_batches(model, batches, iterations, device)
 
 
-def _predict_batches(model: Model, batches: Iterable[Tensor], iterations: Sequence[int | None],
-                     device: str | torch.device) -> dict[int | None, Tensor]:  # fmt: skip
+def _predict_batches(
+    model: Model, batches: Iterable[Tensor], iterations: Sequence[int | None], device: str | torch.device
+) -> dict[int | None, Tensor]:
     model.eval()
     c = model.config
     out: dict[int | None, list[Tensor]] = {T: [] for T in iterations}
@@ -108,8 +113,9 @@ def _slices(split: Split, batch_size: int, desc: str | None = None) -> Iterator[
                 bar.update(min(batch_size, len(split) - start))
 
 
-def predict_logits(model: Model, split: Split, iterations: int | None = None, batch_size: int = 250,
-                   device: str | torch.device = "cpu") -> Tensor:  # fmt: skip
+def predict_logits(
+    model: Model, split: Split, iterations: int | None = None, batch_size: int = 250, device: str | torch.device = "cpu"
+) -> Tensor:
     """Logits (N, C) float32 on the CPU for every image of ``split`` after ``iterations`` routing iterations."""
     return predict_batches(model, _slices(split, batch_size), [iterations], device, len(split))[iterations]
 
@@ -125,11 +131,16 @@ def single_label_metrics(logits: Tensor, targets: Tensor) -> dict[str, Any]:
     precision = tp / confusion.sum(0).clamp_min(1)
     recall = tp / confusion.sum(1).clamp_min(1)
     f1 = 2 * tp / (confusion.sum(0) + confusion.sum(1)).clamp_min(1)
-    return {"top1": (top[:, 0] == targets).float().mean().item(),
-            f"top{k}": (top == targets[:, None]).any(dim=1).float().mean().item(),
-            "precision": precision.tolist(), "recall": recall.tolist(), "f1": f1.tolist(),
-            "support": confusion.sum(1).tolist(), "macro_f1": f1.mean().item(),
-            "confusion": confusion.tolist()}  # fmt: skip
+    return {
+        "top1": (top[:, 0] == targets).float().mean().item(),
+        f"top{k}": (top == targets[:, None]).any(dim=1).float().mean().item(),
+        "precision": precision.tolist(),
+        "recall": recall.tolist(),
+        "f1": f1.tolist(),
+        "support": confusion.sum(1).tolist(),
+        "macro_f1": f1.mean().item(),
+        "confusion": confusion.tolist(),
+    }
 
 
 def multi_label_metrics(logits: Tensor, targets: Tensor, thresholds: tuple[float, ...] | None) -> dict[str, Any]:
@@ -138,8 +149,12 @@ def multi_label_metrics(logits: Tensor, targets: Tensor, thresholds: tuple[float
     pred = torch.from_numpy(multi_label_decisions(logits.numpy(), thresholds))  # (N, C)
     truth = targets > 0.5  # (N, C)
     f1 = _f1(pred, truth)
-    return {"exact_match": (pred == truth).all(dim=1).float().mean().item(), "f1": f1.tolist(),
-            "macro_f1": f1.mean().item(), "ranked_recall": ranked_recall(logits, truth)}  # fmt: skip
+    return {
+        "exact_match": (pred == truth).all(dim=1).float().mean().item(),
+        "f1": f1.tolist(),
+        "macro_f1": f1.mean().item(),
+        "ranked_recall": ranked_recall(logits, truth),
+    }
 
 
 def ranked_recall(logits: Tensor, truth: Tensor) -> float:
@@ -192,8 +207,9 @@ def metrics(config: Any, logits: Tensor, targets: Tensor) -> dict[str, Any]:
     return single_label_metrics(logits, targets)
 
 
-def evaluate(model: Model, split: Split, iterations: list[int], batch_size: int = 250,
-             device: str | torch.device = "cpu") -> dict[int, dict[str, Any]]:  # fmt: skip
+def evaluate(
+    model: Model, split: Split, iterations: list[int], batch_size: int = 250, device: str | torch.device = "cpu"
+) -> dict[int, dict[str, Any]]:
     """Metrics of ``model`` on ``split`` for each routing iteration count in ``iterations``."""
     logits = predict_batches(model, _slices(split, batch_size, "evaluating"), iterations, device, len(split))
     return {T: metrics(model.config, logits[T], split.targets) for T in iterations}
@@ -205,8 +221,10 @@ def own_samples(manifest: Manifest, split: str, val_size: int | float | None) ->
         if not manifest.named_splits:
             return [s for samples in manifest.splits.values() for s in samples]
         if not manifest.splits.get("test"):
-            raise DataError(f"{manifest.source} has no test split (a test/ folder, or rows with split test); use "
-                            "--split val, or point --data at the test images alone")  # fmt: skip
+            raise DataError(
+                f"{manifest.source} has no test split (a test/ folder, or rows with split test); use "
+                "--split val, or point --data at the test images alone"
+            )
         return manifest.splits["test"]
     if not manifest.splits.get("val") and val_size is None:
         raise DataError(f"{manifest.source} has no val split and the model records no --val-size to carve one")
@@ -216,9 +234,14 @@ def own_samples(manifest: Manifest, split: str, val_size: int | float | None) ->
     return val
 
 
-def evaluate_own(model: Model, samples: Sequence[Sample], source: Path, iterations: Sequence[int | None],
-                 batch_size: int = 250, device: str | torch.device = "cpu",
-                 ) -> tuple[dict[int | None, Tensor], Tensor, int]:  # fmt: skip
+def evaluate_own(
+    model: Model,
+    samples: Sequence[Sample],
+    source: Path,
+    iterations: Sequence[int | None],
+    batch_size: int = 250,
+    device: str | torch.device = "cpu",
+) -> tuple[dict[int | None, Tensor], Tensor, int]:
     """Logits per T, targets and the number of skipped files for a user's images, decoded one batch at a time."""
     c = model.config
     failures = FailureLog(len(samples), source)
@@ -244,8 +267,13 @@ def store_thresholds(checkpoint: Path, model: Model, thresholds: Sequence[float]
     save_model(model, checkpoint, extra=extra)
 
 
-def calibrate(checkpoint: str | Path, data: str | Path, batch_size: int = 250, device: str | torch.device = "cpu",
-              label_separator: str | None = None) -> tuple[float, ...]:  # fmt: skip
+def calibrate(
+    checkpoint: str | Path,
+    data: str | Path,
+    batch_size: int = 250,
+    device: str | torch.device = "cpu",
+    label_separator: str | None = None,
+) -> tuple[float, ...]:
     """Fit per-class thresholds on the checkpoint's validation split and store them in its config.json."""
     checkpoint = Path(checkpoint)
     model = load(checkpoint, device)
@@ -261,8 +289,9 @@ def calibrate(checkpoint: str | Path, data: str | Path, batch_size: int = 250, d
         thresholds = fit_thresholds(logits[None], targets)
     else:
         if not info.get("val_size"):
-            raise ValueError(f"{checkpoint}: no validation split recorded (trained with --val-size 0?); cannot "
-                             "calibrate")  # fmt: skip
+            raise ValueError(
+                f"{checkpoint}: no validation split recorded (trained with --val-size 0?); cannot calibrate"
+            )
         val = load_validation(info["dataset"], data, info["val_size"])
         thresholds = fit_thresholds(predict_logits(model, val, None, batch_size, device), val.targets)
     store_thresholds(checkpoint, model, thresholds)
@@ -274,12 +303,22 @@ DEFAULT_ITERATIONS = (1, 2, 3, 4, 5)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="model folder (config.json + model.safetensors), e.g. RUN/best")
-    p.add_argument("--data", required=True, help="your images (a label-folder tree or a CSV: its test split, or "
-                   "everything when it names no splits), or the folder with the CIFAR/MNIST files")  # fmt: skip
-    p.add_argument("--label-separator", metavar="SEP", help="a CSV's labels column: labels separated by SEP "
-                   "(default: spaces), as in training")  # fmt: skip
-    p.add_argument("--iterations", help="routing iteration counts, comma-separated (default 1,2,3,4,5; CNN "
-                   "baselines have no routing and take none)")  # fmt: skip
+    p.add_argument(
+        "--data",
+        required=True,
+        help="your images (a label-folder tree or a CSV: its test split, or "
+        "everything when it names no splits), or the folder with the CIFAR/MNIST files",
+    )
+    p.add_argument(
+        "--label-separator",
+        metavar="SEP",
+        help="a CSV's labels column: labels separated by SEP (default: spaces), as in training",
+    )
+    p.add_argument(
+        "--iterations",
+        help="routing iteration counts, comma-separated (default 1,2,3,4,5; CNN "
+        "baselines have no routing and take none)",
+    )
     p.add_argument("--split", choices=("test", "val"), default="test")
     p.add_argument("--limit", type=int, help="evaluate only the first N images")
     p.add_argument("--batch-size", type=int, default=250)
@@ -307,8 +346,9 @@ def iterations_for(config: ModelConfig, given: list[int] | None) -> list[int | N
     if config.has_routing:
         return list(given or DEFAULT_ITERATIONS)
     if given is not None:
-        raise ValueError(f"{config.name} is a CNN (head {config.head!r}) without routing: --iterations does not "
-                         "apply; drop it")  # fmt: skip
+        raise ValueError(
+            f"{config.name} is a CNN (head {config.head!r}) without routing: --iterations does not apply; drop it"
+        )
     return [None]
 
 
@@ -322,8 +362,11 @@ def run(args: argparse.Namespace) -> int:
     check_data_exists(args.data)
     if args.calibrate:
         thresholds = calibrate(checkpoint, args.data, args.batch_size, args.device, args.label_separator)
-        log.info("calibrated thresholds on the validation split (stored in %s): %s", checkpoint / CONFIG,
-                 ", ".join(f"{t:.2f}" for t in thresholds))  # fmt: skip
+        log.info(
+            "calibrated thresholds on the validation split (stored in %s): %s",
+            checkpoint / CONFIG,
+            ", ".join(f"{t:.2f}" for t in thresholds),
+        )
     model = load(checkpoint, args.device)
     c = model.config
     iterations = iterations_for(c, given)
@@ -334,17 +377,24 @@ def run(args: argparse.Namespace) -> int:
         manifest = scan(args.data, args.label_separator)
         dataset = manifest.kind
         samples = own_samples(manifest, args.split, info.get("val_size"))[: args.limit]
-        check_labels(Manifest(manifest.source, manifest.kind, {"train": [], args.split: samples}, True), c.labels,
-                     f"the model's labels ({checkpoint})", (args.split,))  # fmt: skip
-        logits, targets, skipped = evaluate_own(model, samples, manifest.source, iterations, args.batch_size,
-                                                args.device)  # fmt: skip
+        check_labels(
+            Manifest(manifest.source, manifest.kind, {"train": [], args.split: samples}, True),
+            c.labels,
+            f"the model's labels ({checkpoint})",
+            (args.split,),
+        )
+        logits, targets, skipped = evaluate_own(
+            model, samples, manifest.source, iterations, args.batch_size, args.device
+        )
         results = {T: metrics(c, logits[T], targets) for T in iterations}
         images = len(targets)
     else:
         dataset = info.get("dataset") or dataset_for(c.labels, c.task, c.image_size)
         if dataset in ("folder", "csv"):
-            raise FileNotFoundError(f"{c.name} was trained on your own images ({info.get('source')}); pass a folder "
-                                    f"or CSV of such images as --data, not {args.data}")  # fmt: skip
+            raise FileNotFoundError(
+                f"{c.name} was trained on your own images ({info.get('source')}); pass a folder "
+                f"or CSV of such images as --data, not {args.data}"
+            )
         if args.split == "test":
             split = load_test(dataset, args.data)
         else:
@@ -355,10 +405,20 @@ def run(args: argparse.Namespace) -> int:
         images = len(split)
     key = "exact_match" if c.task == "multi_label" else "top1"
     results = {T: by_label(r, c.labels) for T, r in results.items()}
-    report = {"model": c.name, "checkpoint": str(checkpoint), "data": str(args.data), "dataset": dataset,
-              "split": args.split, "images": images, "skipped_images": skipped, "task": c.task,
-              "labels": list(c.labels), "trained_iterations": trained_T, "thresholds": c.thresholds,
-              "results": {"none" if T is None else T: r for T, r in results.items()}}  # fmt: skip
+    report = {
+        "model": c.name,
+        "checkpoint": str(checkpoint),
+        "data": str(args.data),
+        "dataset": dataset,
+        "split": args.split,
+        "images": images,
+        "skipped_images": skipped,
+        "task": c.task,
+        "labels": list(c.labels),
+        "trained_iterations": trained_T,
+        "thresholds": c.thresholds,
+        "results": {"none" if T is None else T: r for T, r in results.items()},
+    }
     main = results.get(trained_T, results[iterations[-1]])
     if args.out:
         out = Path(args.out)
@@ -391,8 +451,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{'label':>{width}} {'precision':>9} {'recall':>7} {'F1':>6} {'images':>7}")
         for lab in c.labels:
-            print(f"{lab:>{width}} {main['precision'][lab]:9.3f} {main['recall'][lab]:7.3f} {main['f1'][lab]:6.3f} "
-                  f"{main['support'][lab]:7d}")  # fmt: skip
+            print(
+                f"{lab:>{width}} {main['precision'][lab]:9.3f} {main['recall'][lab]:7.3f} {main['f1'][lab]:6.3f} "
+                f"{main['support'][lab]:7d}"
+            )
         print("confusion matrix (rows true, columns predicted):")
         for lab, row in zip(c.labels, main["confusion"], strict=True):
             print(f"{lab:>{width}} " + " ".join(f"{v:5d}" for v in row))

@@ -87,8 +87,7 @@ def plot_confusion(confusion: list[list[int]], labels: Sequence[str], png: Path,
         peak = max(max(row) for row in confusion) or 1
         for i, row in enumerate(confusion):
             for j, v in enumerate(row):
-                ax.text(j, i, str(v), ha="center", va="center", color="white" if v > peak / 2 else "black",
-                        fontsize=8)  # fmt: skip
+                ax.text(j, i, str(v), ha="center", va="center", color="white" if v > peak / 2 else "black", fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

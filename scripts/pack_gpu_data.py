@@ -32,8 +32,10 @@ def main() -> None:
     back = load_pack(cifar, "train")
     err = (back.images.float() - train.images.float()).abs().mean().item()
     size = sum(f.stat().st_size for f in cifar.iterdir())
-    print(f"CIFAR-10 train: {len(back)} images, {size / 2**20:.1f} MiB, mean |error| {err:.2f}/255, "
-          f"labels equal: {bool((back.targets == train.targets).all())}")  # fmt: skip
+    print(
+        f"CIFAR-10 train: {len(back)} images, {size / 2**20:.1f} MiB, mean |error| {err:.2f}/255, "
+        f"labels equal: {bool((back.targets == train.targets).all())}"
+    )
     mnist = out / "mnist"
     mnist.mkdir(parents=True, exist_ok=True)
     digits, _ = load_mnist(args.data, train=True)  # validates the files before copying

@@ -26,8 +26,12 @@ def kinds() -> dict[tuple[str, str], dict]:
 
 
 def test_there_are_manifests():
-    expected = {("Deployment", "capserve-gpu"), ("Deployment", "capserve-cpu"), ("Service", "capserve"),
-                ("HorizontalPodAutoscaler", "capserve-cpu")}  # fmt: skip
+    expected = {
+        ("Deployment", "capserve-gpu"),
+        ("Deployment", "capserve-cpu"),
+        ("Service", "capserve"),
+        ("HorizontalPodAutoscaler", "capserve-cpu"),
+    }
     assert set(kinds()) >= expected
 
 
@@ -48,8 +52,10 @@ def test_the_validator_rejects_a_misspelt_field():
     """The check above can fail: a typo inside a container spec is refused."""
     doc = kinds()[("Deployment", "capserve-cpu")]
     container = dict(doc["spec"]["template"]["spec"]["containers"][0], readinesProbe={"httpGet": {"path": "/readyz"}})
-    broken = {**doc, "spec": {**doc["spec"], "template": {**doc["spec"]["template"],
-                                                          "spec": {"containers": [container]}}}}  # fmt: skip
+    broken = {
+        **doc,
+        "spec": {**doc["spec"], "template": {**doc["spec"]["template"], "spec": {"containers": [container]}}},
+    }
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, kubernetes_validate.utils.latest_version(), strict=True)
 
@@ -72,8 +78,10 @@ def test_deployments_probe_capserve_and_the_service_reaches_them(variant):
     assert container["image"].rsplit("/", 1)[1].split(":")[0] == ("capserve" if variant == "gpu" else "capserve-cpu")
     limits = container["resources"]["limits"]
     if variant == "gpu":
-        assert int(limits["nvidia.com/gpu"]) >= 1 and limits["nvidia.com/gpu"] == container["resources"]["requests"][
-            "nvidia.com/gpu"]  # fmt: skip
+        assert (
+            int(limits["nvidia.com/gpu"]) >= 1
+            and limits["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"]
+        )
     else:
         assert "nvidia.com/gpu" not in limits and limits["cpu"] == container["resources"]["requests"]["cpu"]
     service = found[("Service", "capserve")]

@@ -105,8 +105,9 @@ sys.exit(1 if failed else 0)
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
 def test_every_module_imports_first_in_a_fresh_interpreter():
     """A circle hides until a module is the first one imported: import each one first, alone."""
-    result = subprocess.run([sys.executable, "-c", IMPORT_EACH_FIRST, *sorted(MODULES)], capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH_FIRST, *sorted(MODULES)], capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-500:] + result.stderr[-3000:]
 
 
@@ -120,8 +121,12 @@ def test_one_backbone_table_names_every_configs_backbone():
 def test_one_copy_of_each_shared_helper():
     """softmax/sigmoid, sha256 and image suffixes each live in one module (their callers import them)."""
     sources = {name: path.read_text() for name, path in MODULES.items()}
-    helpers = [("def softmax(", "capserve.runtime.outputs"), ("def sigmoid(", "capserve.runtime.outputs"),
-               ("def file_sha256(", "capserve.hashing"), ("IMAGE_SUFFIXES =", "capserve.data.images")]  # fmt: skip
+    helpers = [
+        ("def softmax(", "capserve.runtime.outputs"),
+        ("def sigmoid(", "capserve.runtime.outputs"),
+        ("def file_sha256(", "capserve.hashing"),
+        ("IMAGE_SUFFIXES =", "capserve.data.images"),
+    ]
     for definition, home in helpers:
         homes = [name for name, text in sources.items() if definition in text]
         assert homes == [home], (definition, homes)

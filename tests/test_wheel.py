@@ -50,8 +50,11 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     dist = tmp_path / "dist"
-    run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(dist)],
-        tmp_path, env)  # fmt: skip
+    run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(dist)],
+        tmp_path,
+        env,
+    )
     (wheel,) = dist.glob("capserve-*.whl")
 
     venv.create(tmp_path / "venv", with_pip=True)
@@ -61,17 +64,29 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     # overrides it as it does for make, and empty leaves pip's configuration alone. Few retries: a machine without
     # that index's host (a local wheel in pip's find-links instead) would spend minutes retrying it
     index = os.environ.get("TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
-    run([*pip, "torch==2.13.0", *(["--index-url", index] if index else []), "--retries", "1", "--timeout", "15"],
-        tmp_path, env)  # fmt: skip
+    run(
+        [*pip, "torch==2.13.0", *(["--index-url", index] if index else []), "--retries", "1", "--timeout", "15"],
+        tmp_path,
+        env,
+    )
     run([*pip, f"{wheel}[export,serve]"], tmp_path, env)
 
     work = tmp_path / "elsewhere"  # outside the checkout: nothing can import from the source tree
     work.mkdir()
     expected = sorted(source_modules())
-    imported = run([str(python), "-c", "import importlib, sys\n"
-                    "for name in sys.argv[1:]:\n"
-                    "    module = importlib.import_module(name)\n"
-                    "    print(module.__file__)", *expected], work, env).split()  # fmt: skip
+    imported = run(
+        [
+            str(python),
+            "-c",
+            "import importlib, sys\n"
+            "for name in sys.argv[1:]:\n"
+            "    module = importlib.import_module(name)\n"
+            "    print(module.__file__)",
+            *expected,
+        ],
+        work,
+        env,
+    ).split()
     assert len(imported) == len(expected)
     assert all(str(tmp_path / "venv") in path for path in imported), imported  # the wheel's, not the checkout's
 
@@ -102,8 +117,13 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     log = work / "serve.log"
     serve_env = {**env, "BENTOML_HOME": str(tmp_path / "bentoml"), "BENTOML_DO_NOT_TRACK": "True"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([capserve, "serve", "cifar10", "--host", "127.0.0.1", "--port", str(port)], cwd=work,
-                                env=serve_env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [capserve, "serve", "cifar10", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=work,
+            env=serve_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log, timeout=180)
@@ -132,8 +152,13 @@ def test_make_install_takes_torch_from_the_cpu_index_and_can_be_told_otherwise(t
     import yaml
 
     def torch_line(*overrides: str) -> str:
-        r = subprocess.run(["make", "-n", "install", f"VENV={tmp_path / 'v'}", *overrides], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        r = subprocess.run(
+            ["make", "-n", "install", f"VENV={tmp_path / 'v'}", *overrides],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 0, r.stderr
         (line,) = [line for line in r.stdout.splitlines() if '"torch==' in line]
         return line

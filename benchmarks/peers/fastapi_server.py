@@ -43,9 +43,13 @@ def classify(image: Annotated[UploadFile, File()], top_k: int = 5) -> dict:
     e = np.exp(logits - logits.max())
     probabilities = e / e.sum()
     order = np.argsort(-probabilities, kind="stable")[:top_k]
-    return {"model": META.name, "iterations": META.iterations,
-            "predictions": [{"label": META.labels[i], "index": int(i), "probability": float(probabilities[i])}
-                            for i in order]}  # fmt: skip
+    return {
+        "model": META.name,
+        "iterations": META.iterations,
+        "predictions": [
+            {"label": META.labels[i], "index": int(i), "probability": float(probabilities[i])} for i in order
+        ],
+    }
 
 
 @app.post("/multilabel")
@@ -57,8 +61,15 @@ def multilabel(image: Annotated[UploadFile, File()], threshold: float | None = N
     if threshold is None and ML_META.thresholds is not None:
         thresholds = np.array(ML_META.thresholds)  # the model's own, as capserve uses them
     order = np.argsort(-probabilities, kind="stable")
-    return {"model": ML_META.name, "iterations": ML_META.iterations, "threshold": threshold,
-            "labels": [{"label": ML_META.labels[i], "index": int(i), "probability": float(probabilities[i])}
-                       for i in order if probabilities[i] >= thresholds[i]],
-            "probabilities": {name: float(p) for name, p in zip(ML_META.labels, probabilities, strict=True)},
-            "thresholds": {name: float(t) for name, t in zip(ML_META.labels, thresholds, strict=True)}}  # fmt: skip
+    return {
+        "model": ML_META.name,
+        "iterations": ML_META.iterations,
+        "threshold": threshold,
+        "labels": [
+            {"label": ML_META.labels[i], "index": int(i), "probability": float(probabilities[i])}
+            for i in order
+            if probabilities[i] >= thresholds[i]
+        ],
+        "probabilities": {name: float(p) for name, p in zip(ML_META.labels, probabilities, strict=True)},
+        "thresholds": {name: float(t) for name, t in zip(ML_META.labels, thresholds, strict=True)},
+    }

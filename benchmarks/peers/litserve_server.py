@@ -44,9 +44,13 @@ class Classify(ls.LitAPI):
 
     def encode_response(self, probabilities: np.ndarray) -> dict:
         order = np.argsort(-probabilities, kind="stable")[:5]
-        return {"model": self.meta.name, "iterations": self.meta.iterations,
-                "predictions": [{"label": self.meta.labels[i], "index": int(i),
-                                 "probability": float(probabilities[i])} for i in order]}  # fmt: skip
+        return {
+            "model": self.meta.name,
+            "iterations": self.meta.iterations,
+            "predictions": [
+                {"label": self.meta.labels[i], "index": int(i), "probability": float(probabilities[i])} for i in order
+            ],
+        }
 
 
 if __name__ == "__main__":

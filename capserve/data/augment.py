@@ -25,8 +25,9 @@ AUGMENTATIONS = ("none", "shift", "crop-flip")
 # ------------------------------------------------------------------------------------------------ augmentation
 
 
-def random_crop_flip(images: Tensor, padding: int = 4, generator: torch.Generator | None = None,
-                     flip: bool = True) -> Tensor:  # fmt: skip
+def random_crop_flip(
+    images: Tensor, padding: int = 4, generator: torch.Generator | None = None, flip: bool = True
+) -> Tensor:
     """Random crop of the original size from the zero-padded images, then (``flip``) a random horizontal flip
     (p = 1/2). The flips are drawn either way, so ``flip=False`` gives the same crops as ``flip=True``.
 

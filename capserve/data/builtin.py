@@ -132,8 +132,10 @@ def _cifar_batch(path: Path, label_key: str, url: str) -> tuple[np.ndarray, np.n
     images = np.asarray(data["data"])
     labels = np.asarray(data[label_key], dtype=np.int64)
     if images.dtype != np.uint8 or images.ndim != 2 or images.shape[1] != 3 * 32 * 32 or len(images) != len(labels):
-        raise ValueError(f"{path}: expected uint8 data (N, 3072) with N labels, got {images.dtype} {images.shape} "
-                         f"and {len(labels)} labels; re-extract it from {url}")  # fmt: skip
+        raise ValueError(
+            f"{path}: expected uint8 data (N, 3072) with N labels, got {images.dtype} {images.shape} "
+            f"and {len(labels)} labels; re-extract it from {url}"
+        )
     return images.reshape(-1, 3, 32, 32), labels
 
 
@@ -141,9 +143,11 @@ def _cifar_batch(path: Path, label_key: str, url: str) -> tuple[np.ndarray, np.n
 _LAYOUTS = {
     "cifar10": (["", "cifar-10-batches-py", "cifar10/cifar-10-batches-py"], ["data_batch_1", "test_batch", PACK_FILE]),
     "cifar100": (["", "cifar-100-python", "cifar100/cifar-100-python"], ["train", "test", PACK_FILE]),
-    "mnist": (["", "raw", "MNIST/raw", "mnist/MNIST/raw"],
-              [f"{p}-images-idx3-ubyte{ext}" for p in ("train", "t10k") for ext in ("", ".gz")]),
-}  # fmt: skip
+    "mnist": (
+        ["", "raw", "MNIST/raw", "mnist/MNIST/raw"],
+        [f"{p}-images-idx3-ubyte{ext}" for p in ("train", "t10k") for ext in ("", ".gz")],
+    ),
+}
 
 
 def has_builtin_files(root: str | Path) -> bool:
@@ -189,16 +193,18 @@ def read_idx(path: str | Path) -> np.ndarray:
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise ValueError(f"{path} cannot be read ({e}); re-download it from {MNIST_URL}") from e
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES or not 1 <= raw[3] <= 3:
-        raise ValueError(f"{path} is not an MNIST IDX file of uint8 (bad magic number); re-download it "
-                         f"from {MNIST_URL}")  # fmt: skip
+        raise ValueError(
+            f"{path} is not an MNIST IDX file of uint8 (bad magic number); re-download it from {MNIST_URL}"
+        )
     ndim = raw[3]
     if len(raw) < 4 + 4 * ndim:
         raise ValueError(f"{path} is truncated (header); re-download it from {MNIST_URL}")
     shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
     body = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
     if body.size != int(np.prod(shape)):
-        raise ValueError(f"{path} holds {body.size} values, its header says {shape}: truncated? re-download it "
-                         f"from {MNIST_URL}")  # fmt: skip
+        raise ValueError(
+            f"{path} holds {body.size} values, its header says {shape}: truncated? re-download it from {MNIST_URL}"
+        )
     return body.reshape(shape)
 
 
@@ -216,8 +222,9 @@ def load_mnist(root: str | Path, train: bool = True) -> tuple[Tensor, Tensor]:
         arrays.append(read_idx(path))
     images, labels = arrays
     if images.ndim != 3 or images.shape[1:] != (28, 28) or labels.ndim != 1 or len(images) != len(labels):
-        raise ValueError(f"MNIST files in {d}: expected images (N, 28, 28) and N labels, got {images.shape} and "
-                         f"{labels.shape}")  # fmt: skip
+        raise ValueError(
+            f"MNIST files in {d}: expected images (N, 28, 28) and N labels, got {images.shape} and {labels.shape}"
+        )
     if labels.size and labels.max() > 9:
         raise ValueError(f"MNIST labels in {d} exceed 9: is {names[1]} a label file?")
     return torch.from_numpy(images.copy()), torch.from_numpy(labels.astype(np.int64))
@@ -226,8 +233,15 @@ def load_mnist(root: str | Path, train: bool = True) -> tuple[Tensor, Tensor]:
 # ------------------------------------------------------------------------------------------------- JPEG packs
 
 
-def pack_cifar(split: Split, directory: str | Path, name: str = "train", dataset: str = "cifar10",
-               quality: int = 85, subsampling: str = "4:2:0", columns: int = 100) -> dict:  # fmt: skip
+def pack_cifar(
+    split: Split,
+    directory: str | Path,
+    name: str = "train",
+    dataset: str = "cifar10",
+    quality: int = 85,
+    subsampling: str = "4:2:0",
+    columns: int = 100,
+) -> dict:
     """Write a split as JPEG mosaics of 32×32 tiles (+ labels) into ``directory``; return the pack entry.
 
     Tiles are aligned to JPEG's 16×16 blocks, so no image shares a block with another; one header per mosaic
@@ -266,8 +280,10 @@ def load_pack(directory: str | Path, name: str) -> Split:
     directory = Path(directory)
     meta = json.loads((directory / PACK_FILE).read_text())
     if name not in meta.get("splits", {}):
-        raise FileNotFoundError(f"the pack in {directory} holds splits {sorted(meta.get('splits', {}))}, not "
-                                f"{name!r}; point --data at the original files for that split")  # fmt: skip
+        raise FileNotFoundError(
+            f"the pack in {directory} holds splits {sorted(meta.get('splits', {}))}, not "
+            f"{name!r}; point --data at the original files for that split"
+        )
     entry = meta["splits"][name]
     t, cols = entry["tile"], entry["columns"]
     parts = []
@@ -313,8 +329,10 @@ def dataset_for(config_labels: Sequence[str], task: str, image_size: int) -> str
         return "cifar10"
     if tuple(config_labels) == CIFAR100_LABELS and image_size == 32:
         return "cifar100"
-    raise ValueError(f"no built-in dataset matches this model (labels {list(config_labels)[:4]}..., task {task}, "
-                     f"image size {image_size}); built-in datasets: {', '.join(DATASETS)}")  # fmt: skip
+    raise ValueError(
+        f"no built-in dataset matches this model (labels {list(config_labels)[:4]}..., task {task}, "
+        f"image size {image_size}); built-in datasets: {', '.join(DATASETS)}"
+    )
 
 
 def _held_out(n: int, val_size: int | float) -> tuple[Tensor, Tensor]:
@@ -323,8 +341,13 @@ def _held_out(n: int, val_size: int | float) -> tuple[Tensor, Tensor]:
     return perm[: n - val_size].sort().values, perm[n - val_size :].sort().values
 
 
-def load_training(dataset: str, root: str | Path, val_size: int | float = 5000, epoch_size: int | None = None,
-                  device: str | torch.device = "cpu") -> Data:  # fmt: skip
+def load_training(
+    dataset: str,
+    root: str | Path,
+    val_size: int | float = 5000,
+    epoch_size: int | None = None,
+    device: str | torch.device = "cpu",
+) -> Data:
     """Training data for ``dataset`` with a validation split carved from the training set by a fixed seed."""
     device = torch.device(device)
     if dataset in ("cifar10", "cifar100"):

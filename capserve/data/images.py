@@ -84,14 +84,17 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: in
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageTooLargeError(f"the image has too many pixels ({e})") from e
     except UnidentifiedImageError as e:
-        raise UndecodableImageError("the data is not an image format this server reads (PNG, JPEG, GIF, WebP, "
-                                    "BMP, TIFF, ...)") from e  # fmt: skip
+        raise UndecodableImageError(
+            "the data is not an image format this server reads (PNG, JPEG, GIF, WebP, BMP, TIFF, ...)"
+        ) from e
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # Pillow plugins raise all of these on bad headers
         raise UndecodableImageError(f"the image header is corrupt: {e}") from e
     width, height = image.size  # from the header: nothing decoded yet
     if width * height > max_pixels:
-        raise ImageTooLargeError(f"the image is {width}×{height} = {width * height:,} pixels; the limit is "
-                                 f"{max_pixels:,} pixels (resize it before sending)")  # fmt: skip
+        raise ImageTooLargeError(
+            f"the image is {width}×{height} = {width * height:,} pixels; the limit is "
+            f"{max_pixels:,} pixels (resize it before sending)"
+        )
     if min(width, height) < min_side:
         raise ImageTooSmallError(f"the image is {width}×{height}; each side must be at least {min_side} pixels")
     try:

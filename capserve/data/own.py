@@ -142,16 +142,20 @@ def scan(path: str | Path, label_separator: str | None = None) -> Manifest:
             raise DataError(f"{path} is a file but not a .csv manifest; pass a CSV or a folder of label folders")
         return scan_csv(path, label_separator)
     if label_separator is not None:
-        raise DataError(f"--label-separator is for a CSV's labels column; {path} is a folder, whose label folders' "
-                        "names are the labels (spaces included)")  # fmt: skip
+        raise DataError(
+            f"--label-separator is for a CSV's labels column; {path} is a folder, whose label folders' "
+            "names are the labels (spaces included)"
+        )
     return scan_folder(path)
 
 
 def check_data_exists(data: str | Path) -> None:
     """A ``--data`` that names nothing: said as such (not as missing CIFAR files), before anything is written."""
     if not Path(data).exists():
-        raise DataError(f"--data {data}: no such file or folder (working directory {Path.cwd()}); give a folder of "
-                        "label folders, a CSV, or the folder with the CIFAR/MNIST files")  # fmt: skip
+        raise DataError(
+            f"--data {data}: no such file or folder (working directory {Path.cwd()}); give a folder of "
+            "label folders, a CSV, or the folder with the CIFAR/MNIST files"
+        )
 
 
 def split_labels(text: str, separator: str | None = None) -> tuple[str, ...]:
@@ -192,10 +196,12 @@ def scan_folder(root: Path) -> Manifest:
     if not any(splits.values()):
         loose = sum(1 for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
         hint = f" ({loose} images lie directly in {root}: move them into their label folders)" if loose else ""
-        raise DataError(f"no images found in {root}{hint}: put them in one folder per label, {root}/<label>/<images> "
-                        f"(or {root}/train/<label>/..., with optional val/ and test/); image files are "
-                        f"{', '.join(sorted(IMAGE_SUFFIXES))}. For the built-in CIFAR/MNIST files see "
-                        "`python -c 'import capserve.data; help(capserve.data)'`")  # fmt: skip
+        raise DataError(
+            f"no images found in {root}{hint}: put them in one folder per label, {root}/<label>/<images> "
+            f"(or {root}/train/<label>/..., with optional val/ and test/); image files are "
+            f"{', '.join(sorted(IMAGE_SUFFIXES))}. For the built-in CIFAR/MNIST files see "
+            "`python -c 'import capserve.data; help(capserve.data)'`"
+        )
     return Manifest(root, "folder", splits, named)
 
 
@@ -225,8 +231,10 @@ def scan_csv(path: Path, label_separator: str | None = None) -> Manifest:
             reader.fieldnames = header
             missing = [c for c in REQUIRED_COLUMNS if c not in header]
             if missing:
-                raise DataError(f"{path} lacks the column(s) {', '.join(missing)} (its header is {header}); the "
-                                "first line must name the columns: image,labels[,split]")  # fmt: skip
+                raise DataError(
+                    f"{path} lacks the column(s) {', '.join(missing)} (its header is {header}); the "
+                    "first line must name the columns: image,labels[,split]"
+                )
             named = "split" in header
             for row in reader:
                 where = f"{path.name} line {reader.line_num}"
@@ -249,16 +257,23 @@ def check_training(manifest: Manifest) -> tuple[str, ...]:
     """The labels to train on, after checking the manifest can train a classifier."""
     source = manifest.source
     if not manifest.splits["train"] and manifest.kind == "folder" and not (source / "train").is_dir():
-        raise DataError(f"{source} has a val/ or test/ folder but no train/ folder: put the training images in "
-                        f"{source}/train/<label>/")  # fmt: skip
+        raise DataError(
+            f"{source} has a val/ or test/ folder but no train/ folder: put the training images in "
+            f"{source}/train/<label>/"
+        )
     if not manifest.splits["train"]:
-        raise DataError(f"{source} has no training images (rows with split train or an empty split)"
-                        if manifest.kind == "csv" else f"{source}/train holds no images in label folders")  # fmt: skip
+        raise DataError(
+            f"{source} has no training images (rows with split train or an empty split)"
+            if manifest.kind == "csv"
+            else f"{source}/train holds no images in label folders"
+        )
     labels = manifest.labels
     if len(labels) < 2:
         what = "label folder" if manifest.kind == "folder" else "label in its training rows"
-        raise DataError(f"{source} has {len(labels)} {what} ({', '.join(map(repr, labels)) or 'none'}); a classifier "
-                        "needs at least two labels")  # fmt: skip
+        raise DataError(
+            f"{source} has {len(labels)} {what} ({', '.join(map(repr, labels)) or 'none'}); a classifier "
+            "needs at least two labels"
+        )
     check_labels(manifest, labels, "the training labels")
     return labels
 
@@ -298,8 +313,10 @@ def carve(samples: Sequence[Sample], count: int, stratified: bool, seed: int = V
         key = (rank + 0.5) / sizes[cls]
         key[rank == sizes[cls] - 1] = np.inf  # the last sample of each label stays in train
         if count > int(np.isfinite(key).sum()):
-            raise DataError(f"--val-size {count} leaves some label without a training image; use at most "
-                            f"{int(np.isfinite(key).sum())}")  # fmt: skip
+            raise DataError(
+                f"--val-size {count} leaves some label without a training image; use at most "
+                f"{int(np.isfinite(key).sum())}"
+            )
         chosen = np.lexsort((u, key))[:count]
     else:
         chosen = u[:count]
@@ -332,8 +349,10 @@ def targets_for(samples: Sequence[Sample], labels: Sequence[str], multi_label: b
         return hot
     wrong = [s for s in samples if len(s.labels) != 1]
     if wrong:
-        raise DataError(f"a single-label model needs exactly one label per image; {wrong[0].where} has "
-                        f"{len(wrong[0].labels)} ({len(wrong)} such rows)")  # fmt: skip
+        raise DataError(
+            f"a single-label model needs exactly one label per image; {wrong[0].where} has "
+            f"{len(wrong[0].labels)} ({len(wrong)} such rows)"
+        )
     return torch.tensor([index[s.labels[0]] for s in samples], dtype=torch.int64)
 
 
@@ -360,18 +379,30 @@ class FailureLog:
         if len(self.failures) > MAX_FAILED_FRACTION * self.total:
             listed = "\n".join(f"  {where}: {reason}" for where, reason in self.failures[:SHOWN_FAILURES])
             more = len(self.failures) - SHOWN_FAILURES
-            raise DataError(f"{len(self.failures)} of {self.total} images in {self.source} cannot be read (more than "
-                            f"{MAX_FAILED_FRACTION:.0%}); fix or remove them:\n{listed}"
-                            + (f"\n  ... and {more} more" if more > 0 else ""))  # fmt: skip
+            raise DataError(
+                f"{len(self.failures)} of {self.total} images in {self.source} cannot be read (more than "
+                f"{MAX_FAILED_FRACTION:.0%}); fix or remove them:\n{listed}"
+                + (f"\n  ... and {more} more" if more > 0 else "")
+            )
         if self.failures:
             first = "; ".join(f"{where} ({reason})" for where, reason in self.failures[:3])
-            log.warning("skipped %d of %d unreadable images in %s, first: %s", len(self.failures), self.total,
-                        self.source, first)  # fmt: skip
+            log.warning(
+                "skipped %d of %d unreadable images in %s, first: %s",
+                len(self.failures),
+                self.total,
+                self.source,
+                first,
+            )
 
 
-def iter_decoded(samples: Sequence[Sample], spec: InputSpec, failures: FailureLog, batch_size: int = 256,
-                 desc: str = "decoding", workers: int | None = None,
-                 ) -> Iterator[tuple[np.ndarray, list[int]]]:  # fmt: skip
+def iter_decoded(
+    samples: Sequence[Sample],
+    spec: InputSpec,
+    failures: FailureLog,
+    batch_size: int = 256,
+    desc: str = "decoding",
+    workers: int | None = None,
+) -> Iterator[tuple[np.ndarray, list[int]]]:
     """Batches of decoded images: uint8 (b, C, H, W) and the indices of ``samples`` they hold (failures skipped).
 
     Pillow releases the GIL while it decodes, so a thread per core decodes in parallel; only one batch of images
@@ -393,15 +424,24 @@ def iter_decoded(samples: Sequence[Sample], spec: InputSpec, failures: FailureLo
             yield (np.stack(arrays) if arrays else empty), kept
 
 
-def decode_split(samples: Sequence[Sample], labels: Sequence[str], multi_label: bool, spec: InputSize,
-                 failures: FailureLog, desc: str) -> Split:  # fmt: skip
+def decode_split(
+    samples: Sequence[Sample],
+    labels: Sequence[str],
+    multi_label: bool,
+    spec: InputSize,
+    failures: FailureLog,
+    desc: str,
+) -> Split:
     """Every readable image of ``samples`` as a ``Split`` (images (N, C, H, W) uint8 and targets)."""
     parts, kept = [], []
     for images, index in iter_decoded(samples, spec, failures, desc=desc):
         parts.append(torch.from_numpy(images))
         kept += index
-    images = torch.cat(parts) if parts else torch.zeros(0, spec.in_channels, spec.image_size, spec.image_size,
-                                                        dtype=torch.uint8)  # fmt: skip
+    images = (
+        torch.cat(parts)
+        if parts
+        else torch.zeros(0, spec.in_channels, spec.image_size, spec.image_size, dtype=torch.uint8)
+    )
     return Split(images, targets_for([samples[i] for i in kept], labels, multi_label))
 
 
@@ -411,8 +451,13 @@ def decode_split(samples: Sequence[Sample], labels: Sequence[str], multi_label: 
 def fingerprint(manifest: Manifest, labels: Sequence[str], spec: InputSize) -> str:
     """A hash of everything the cache depends on: files (path, size, mtime), labels, splits, input size."""
     h = hashlib.sha256()
-    head = {"format": CACHE_FORMAT, "labels": list(labels), "task": manifest.task, "channels": spec.in_channels,
-            "size": spec.image_size}  # fmt: skip
+    head = {
+        "format": CACHE_FORMAT,
+        "labels": list(labels),
+        "task": manifest.task,
+        "channels": spec.in_channels,
+        "size": spec.image_size,
+    }
     h.update(json.dumps(head).encode())
     for split in SPLITS:
         for s in manifest.splits.get(split, []):
@@ -447,8 +492,11 @@ def build_cache(manifest: Manifest, labels: Sequence[str], spec: InputSize, cach
                 meta = f.metadata() or {}
                 if meta.get("fingerprint") == key:
                     splits = {s: Split(f.get_tensor(f"{s}.images"), f.get_tensor(f"{s}.targets")) for s in names}
-                    log.info("decoded images reused from %s (%s)", cache,
-                             ", ".join(f"{s} {len(v)}" for s, v in splits.items()))  # fmt: skip
+                    log.info(
+                        "decoded images reused from %s (%s)",
+                        cache,
+                        ", ".join(f"{s} {len(v)}" for s, v in splits.items()),
+                    )
                     return OwnData(tuple(labels), manifest.task, splits, int(meta.get("skipped", 0)), True)
             log.info("data changed since %s was built: decoding again", cache)
         except (SafetensorError, OSError, KeyError, AssertionError) as e:
@@ -460,7 +508,10 @@ def build_cache(manifest: Manifest, labels: Sequence[str], spec: InputSize, cach
         cache.parent.mkdir(parents=True, exist_ok=True)
         tensors = {f"{s}.{k}": getattr(v, k).contiguous() for s, v in splits.items() for k in ("images", "targets")}
         tmp = cache.with_name(cache.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"fingerprint": key, "skipped": str(len(failures.failures)),
-                                               "source": str(manifest.source)})  # fmt: skip
+        save_file(
+            tensors,
+            str(tmp),
+            metadata={"fingerprint": key, "skipped": str(len(failures.failures)), "source": str(manifest.source)},
+        )
         tmp.replace(cache)
     return OwnData(tuple(labels), manifest.task, splits, len(failures.failures), False)

@@ -14,6 +14,8 @@ def progress_bar(total: int, desc: str) -> Iterator[Any]:
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    with logging_redirect_tqdm(), tqdm(total=total, desc=desc, unit="img", mininterval=0.5, leave=True,
-                                       dynamic_ncols=True) as bar:  # fmt: skip
+    with (
+        logging_redirect_tqdm(),
+        tqdm(total=total, desc=desc, unit="img", mininterval=0.5, leave=True, dynamic_ncols=True) as bar,
+    ):
         yield bar

@@ -81,9 +81,11 @@ def save_to_store(directory: str | Path, name: str) -> str:
 
             digests.add(weights_sha256(capserve.load(directory)))  # what export_onnx(model) records
         if (directory / graph).is_file() and _onnx_weights_sha256(directory / graph) not in digests:
-            raise ExportError(f"{directory / graph} was exported from other weights than {directory / WEIGHTS}: "
-                              f"re-export it (`capserve export onnx {directory} -o {directory / graph}"
-                              f"{' --explain' if graph == EXPLAIN_ONNX else ''}`) or delete it")  # fmt: skip
+            raise ExportError(
+                f"{directory / graph} was exported from other weights than {directory / WEIGHTS}: "
+                f"re-export it (`capserve export onnx {directory} -o {directory / graph}"
+                f"{' --explain' if graph == EXPLAIN_ONNX else ''}`) or delete it"
+            )
     try:
         with bentoml.models.create(name, labels=labels, metadata=metadata, module=MODULE) as stored:
             target = Path(stored.path)

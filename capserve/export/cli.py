@@ -57,14 +57,31 @@ def run(args: argparse.Namespace) -> int:
             if args.int8:
                 paths = [export_int8_from_args(args)]
             else:
-                paths = export_checkpoint(args.checkpoint, args.output, args.iterations, opset=args.opset,
-                                          fp16=args.fp16, explain=args.explain)  # fmt: skip
+                paths = export_checkpoint(
+                    args.checkpoint,
+                    args.output,
+                    args.iterations,
+                    opset=args.opset,
+                    fp16=args.fp16,
+                    explain=args.explain,
+                )
         else:
             from capserve.export.tensorrt import build_engine
 
-            paths = [build_engine(args.onnx, args.output, args.min_batch, args.opt_batch, args.max_batch,
-                                  timing_cache=args.timing_cache, fp16=args.fp16, workspace_gib=args.workspace_gib,
-                                  tf32=args.tf32, int8=args.int8)]  # fmt: skip
+            paths = [
+                build_engine(
+                    args.onnx,
+                    args.output,
+                    args.min_batch,
+                    args.opt_batch,
+                    args.max_batch,
+                    timing_cache=args.timing_cache,
+                    fp16=args.fp16,
+                    workspace_gib=args.workspace_gib,
+                    tf32=args.tf32,
+                    int8=args.int8,
+                )
+            ]
     except ImportError as e:
         raise UsageError(f"{e}; export needs `pip install 'capserve[export,serve]'`") from e
     for path in paths:

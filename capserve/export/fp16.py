@@ -140,8 +140,9 @@ def convert_to_fp16(model: Any, keep_fp32: Iterable[str] = KEEP_FP32) -> Any:
 
 def _half(array: np.ndarray) -> np.ndarray:
     if array.size and np.abs(array).max() > FP16_MAX:
-        raise ValueError(f"a weight reaches {np.abs(array).max():.3g}, beyond FP16's range ({FP16_MAX}); "
-                         "export this model in FP32")  # fmt: skip
+        raise ValueError(
+            f"a weight reaches {np.abs(array).max():.3g}, beyond FP16's range ({FP16_MAX}); export this model in FP32"
+        )
     return array.astype(np.float16)
 
 

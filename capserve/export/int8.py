@@ -122,8 +122,10 @@ def _own_data(path: Path, config: ModelConfig, count: int, gate_images: int) -> 
     except ValueError:  # a label with too few images to leave one behind: draw without strata
         stratified = False
         rest, chosen = carve(train, count, False)
-    held, split = next(((manifest.splits[s], s) for s in ("test", "val") if manifest.splits.get(s)),
-                       ([train[i] for i in rest], "train images not used for calibration"))  # fmt: skip
+    held, split = next(
+        ((manifest.splits[s], s) for s in ("test", "val") if manifest.splits.get(s)),
+        ([train[i] for i in rest], "train images not used for calibration"),
+    )
     if len(held) > gate_images:  # a seeded draw, every label in its share: a folder's scan order is by label
         held_stratified = manifest.task == "single_label" and all(len(s.labels) == 1 for s in held)
         try:
@@ -139,8 +141,9 @@ def _own_data(path: Path, config: ModelConfig, count: int, gate_images: int) -> 
         labelled = all(s.labels for s in held) or config.task == "multi_label"
         if labelled:
             targets = targets_for([held[i] for i in kept], config.labels, config.task == "multi_label").numpy()
-    return CalibrationSet(_normalised(calibration, config), _normalised(held_out, config), targets, str(path),
-                          split, stratified)  # fmt: skip
+    return CalibrationSet(
+        _normalised(calibration, config), _normalised(held_out, config), targets, str(path), split, stratified
+    )
 
 
 def _builtin(path: Path, config: ModelConfig, count: int, gate_images: int) -> CalibrationSet:
@@ -158,19 +161,27 @@ def _builtin(path: Path, config: ModelConfig, count: int, gate_images: int) -> C
         targets = data.train.targets.numpy()
         rng = np.random.default_rng(0)
         per_class = [rng.permutation(np.flatnonzero(targets == c)) for c in range(config.num_classes)]
-        order = np.concatenate(per_class)[np.argsort(np.concatenate([np.arange(len(p)) for p in per_class]),
-                                                     kind="stable")]  # fmt: skip  # round-robin over the classes
+        order = np.concatenate(per_class)[
+            np.argsort(np.concatenate([np.arange(len(p)) for p in per_class]), kind="stable")
+        ]  # round-robin over the classes
         calibration, stratified = data.train.images[torch.from_numpy(order[:count])].numpy(), True
     else:  # DiverseMultiMNIST: images drawn from the training digits
         digits, labels = data.digits
         calibration, stratified = multimnist(digits, labels, count, g).images.numpy(), False
     held = data.val.subset(torch.arange(min(gate_images, len(data.val))))
-    return CalibrationSet(_normalised(calibration, config), _normalised(held.images.numpy(), config),
-                          held.targets.numpy(), str(path), f"{dataset} validation split", stratified)  # fmt: skip
+    return CalibrationSet(
+        _normalised(calibration, config),
+        _normalised(held.images.numpy(), config),
+        held.targets.numpy(),
+        str(path),
+        f"{dataset} validation split",
+        stratified,
+    )
 
 
-def read_calibration(data: str | Path, config: ModelConfig, count: int = DEFAULT_IMAGES,
-                     gate_images: int = GATE_IMAGES) -> CalibrationSet:  # fmt: skip
+def read_calibration(
+    data: str | Path, config: ModelConfig, count: int = DEFAULT_IMAGES, gate_images: int = GATE_IMAGES
+) -> CalibrationSet:
     """Calibration and held-out images for ``config``'s model from a folder/CSV (or a built-in dataset's folder)."""
     from capserve.data.own import is_own_data
 
@@ -178,8 +189,10 @@ def read_calibration(data: str | Path, config: ModelConfig, count: int = DEFAULT
         raise ExportError(f"--calibration-images must be >= 1, got {count}")
     path = Path(data)
     if not path.exists():
-        raise ExportError(f"--calibration {path} does not exist: pass a folder of label folders or a CSV "
-                          "(`capserve train --data` layout)")  # fmt: skip
+        raise ExportError(
+            f"--calibration {path} does not exist: pass a folder of label folders or a CSV "
+            "(`capserve train --data` layout)"
+        )
     if is_own_data(path):
         return _own_data(path, config, count, gate_images)
     return _builtin(path, config, count, gate_images)
@@ -193,8 +206,11 @@ def excluded_nodes(proto: Any) -> list[str]:
     activations (votes × poses), kept in float: both operands change per image and the per-tensor scale of a vote
     tensor covers every child and parent at once."""
     weights = {i.name for i in proto.graph.initializer}
-    return [n.name for n in proto.graph.node
-            if n.op_type in QUANTIZED_OPS and len(n.input) > 1 and n.input[1] not in weights]  # fmt: skip
+    return [
+        n.name
+        for n in proto.graph.node
+        if n.op_type in QUANTIZED_OPS and len(n.input) > 1 and n.input[1] not in weights
+    ]
 
 
 class _Reader:
@@ -231,8 +247,14 @@ class Quantizer:
     its working files in a temporary folder).
     """
 
-    def __init__(self, fp32: Any, images: np.ndarray, target: str = "onnxruntime", method: str = "minmax",
-                 percentile: float = 99.999):  # fmt: skip
+    def __init__(
+        self,
+        fp32: Any,
+        images: np.ndarray,
+        target: str = "onnxruntime",
+        method: str = "minmax",
+        percentile: float = 99.999,
+    ):
         import onnx
         from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -251,8 +273,9 @@ class Quantizer:
         self.activation_products = excluded_nodes(pre)  # always float
         weights = {i.name for i in pre.graph.initializer}
         # what may be quantized: Conv/MatMul/Gemm with a weight operand, in graph order
-        self.weighted = [n.name for n in pre.graph.node
-                         if n.op_type in QUANTIZED_OPS and len(n.input) > 1 and n.input[1] in weights]  # fmt: skip
+        self.weighted = [
+            n.name for n in pre.graph.node if n.op_type in QUANTIZED_OPS and len(n.input) > 1 and n.input[1] in weights
+        ]
 
     def __enter__(self) -> Quantizer:
         return self
@@ -267,23 +290,38 @@ class Quantizer:
 
         unknown = sorted(set(keep_float) - set(self.weighted))
         if unknown:
-            raise ExportError(f"--keep-float {', '.join(unknown)}: no such Conv/MatMul/Gemm node with weights; "
-                              f"the graph's are: {', '.join(self.weighted)}")  # fmt: skip
-        calibrate = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
-                     "entropy": CalibrationMethod.Entropy}[self.method]  # fmt: skip
+            raise ExportError(
+                f"--keep-float {', '.join(unknown)}: no such Conv/MatMul/Gemm node with weights; "
+                f"the graph's are: {', '.join(self.weighted)}"
+            )
+        calibrate = {
+            "minmax": CalibrationMethod.MinMax,
+            "percentile": CalibrationMethod.Percentile,
+            "entropy": CalibrationMethod.Entropy,
+        }[self.method]
         symmetric = self.target == "tensorrt"
         out = Path(self._tmp.name) / "int8.onnx"
         with _quiet():
             quantize_static(
-                str(self._pre), str(out), _Reader(self.fp32.graph.input[0].name, self.images),
-                quant_format=QuantFormat.QDQ, per_channel=True,
-                activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8, weight_type=QuantType.QInt8,
-                op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=self.activation_products + list(keep_float),
-                calibrate_method=calibrate, calibration_cache_path=str(self._cache),
+                str(self._pre),
+                str(out),
+                _Reader(self.fp32.graph.input[0].name, self.images),
+                quant_format=QuantFormat.QDQ,
+                per_channel=True,
+                activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+                op_types_to_quantize=list(QUANTIZED_OPS),
+                nodes_to_exclude=self.activation_products + list(keep_float),
+                calibrate_method=calibrate,
+                calibration_cache_path=str(self._cache),
                 # TensorRT takes int8 Q/DQ only: biases stay float there (ONNX Runtime folds int32 biases in)
-                extra_options={"ActivationSymmetric": symmetric, "WeightSymmetric": True,
-                               "QuantizeBias": not symmetric, "CalibPercentile": self.percentile},
-            )  # fmt: skip
+                extra_options={
+                    "ActivationSymmetric": symmetric,
+                    "WeightSymmetric": True,
+                    "QuantizeBias": not symmetric,
+                    "CalibPercentile": self.percentile,
+                },
+            )
         proto = onnx.load(str(out))
         set_metadata(proto, {**read_metadata(self.fp32), PRECISION_KEY: "int8"})
         proto.producer_name, proto.producer_version = self.fp32.producer_name, self.fp32.producer_version
@@ -291,8 +329,14 @@ class Quantizer:
         return proto
 
 
-def quantize(fp32: Any, images: np.ndarray, target: str = "onnxruntime", method: str = "minmax",
-             keep_float: Sequence[str] = (), percentile: float = 99.999) -> tuple[Any, list[str]]:  # fmt: skip
+def quantize(
+    fp32: Any,
+    images: np.ndarray,
+    target: str = "onnxruntime",
+    method: str = "minmax",
+    keep_float: Sequence[str] = (),
+    percentile: float = 99.999,
+) -> tuple[Any, list[str]]:
     """A QDQ INT8 ``onnx.ModelProto`` from an FP32 one, calibrated on normalised ``images`` (N, C, H, W), and the
     names of the Conv/MatMul nodes left in float (the activation products, then ``keep_float``). See ``Quantizer``.
     """
@@ -308,9 +352,13 @@ class SearchStep:
     agreement: float
 
 
-def search_float_nodes(candidates: Sequence[str], agreement_with: Callable[[list[str]], float], bound: float,
-                       max_nodes: int = MAX_FLOAT_NODES, start: Sequence[str] = (),
-                       ) -> tuple[list[str], float, list[SearchStep]]:  # fmt: skip
+def search_float_nodes(
+    candidates: Sequence[str],
+    agreement_with: Callable[[list[str]], float],
+    bound: float,
+    max_nodes: int = MAX_FLOAT_NODES,
+    start: Sequence[str] = (),
+) -> tuple[list[str], float, list[SearchStep]]:
     """Greedy choice of the nodes to leave in float: while ``agreement_with(nodes)`` is below ``bound`` and fewer than
     ``max_nodes`` were added to ``start``, try each remaining candidate added in turn and keep the one that raises
     the agreement most (ties broken by name, so the search is deterministic); stop when none raises it.
@@ -333,8 +381,9 @@ def search_float_nodes(candidates: Sequence[str], agreement_with: Callable[[list
     return chosen, current, steps
 
 
-def keep_sensitive_in_float(quantizer: Quantizer, fp32: Any, bound: float, max_nodes: int = MAX_FLOAT_NODES,
-                            keep_float: Sequence[str] = ()) -> tuple[list[str], float, list[SearchStep]]:  # fmt: skip
+def keep_sensitive_in_float(
+    quantizer: Quantizer, fp32: Any, bound: float, max_nodes: int = MAX_FLOAT_NODES, keep_float: Sequence[str] = ()
+) -> tuple[list[str], float, list[SearchStep]]:
     """``search_float_nodes`` over the quantizer's weighted nodes, scored by INT8-vs-FP32 agreement on the
     *calibration* images, not the held-out ones, so that the gate that follows is an unbiased check of the choice."""
 
@@ -370,14 +419,18 @@ def check_tensorrt_int8(path: str | Path, data: bytes, precision: str, fp16: boo
     if fp16:
         raise ExportError("--int8 and --fp16 exclude each other: the INT8 graph's Q/DQ layers set its precision")
     if precision != "int8":
-        raise ExportError(f"{path} is a {precision} graph: TensorRT builds INT8 from Q/DQ layers (no implicit "
-                          f"calibration); export one first with `capserve export onnx MODEL_DIR -o {Path(path).stem}"
-                          "-int8.onnx --int8 --int8-target tensorrt --calibration DATA`")  # fmt: skip
+        raise ExportError(
+            f"{path} is a {precision} graph: TensorRT builds INT8 from Q/DQ layers (no implicit "
+            f"calibration); export one first with `capserve export onnx MODEL_DIR -o {Path(path).stem}"
+            "-int8.onnx --int8 --int8-target tensorrt --calibration DATA`"
+        )
     problems = tensorrt_problems(onnx.load_model_from_string(data))
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
-        raise ExportError(f"{path} has Q/DQ layers TensorRT rejects ({shown}): it was quantized for ONNX Runtime; "
-                          "re-export with `--int8 --int8-target tensorrt`")  # fmt: skip
+        raise ExportError(
+            f"{path} has Q/DQ layers TensorRT rejects ({shown}): it was quantized for ONNX Runtime; "
+            "re-export with `--int8 --int8-target tensorrt`"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the gate
@@ -399,8 +452,10 @@ class GateReport:
 
     def __str__(self) -> str:
         c = self.check
-        text = (f"int8 vs fp32 {c.measure} agreement {c.agreement:.4f} on {c.images} held-out images ({self.split}; "
-                f"bound {c.bound:g}), max |Δlogit| {c.max_abs_logit:.3g}")  # fmt: skip
+        text = (
+            f"int8 vs fp32 {c.measure} agreement {c.agreement:.4f} on {c.images} held-out images ({self.split}; "
+            f"bound {c.bound:g}), max |Δlogit| {c.max_abs_logit:.3g}"
+        )
         if self.fp32_accuracy is not None:
             text += f"; {self.metric} fp32 {self.fp32_accuracy:.2%}, int8 {self.int8_accuracy:.2%}"
         return text
@@ -413,12 +468,21 @@ def accuracy(logits: np.ndarray, targets: np.ndarray, metadata: ModelMetadata) -
     return float((chosen == truth).all(axis=1).mean())
 
 
-def score(fp32: Any, int8: Any, held_out: np.ndarray, targets: np.ndarray | None, split: str,
-          bound: float = MIN_AGREEMENT, batch_size: int = 100) -> GateReport:  # fmt: skip
+def score(
+    fp32: Any,
+    int8: Any,
+    held_out: np.ndarray,
+    targets: np.ndarray | None,
+    split: str,
+    bound: float = MIN_AGREEMENT,
+    batch_size: int = 100,
+) -> GateReport:
     """The gate: two runtimes (``load_runtime`` of the FP32 and INT8 graphs) on held-out images (M, C, H, W)."""
     if not len(held_out):
-        raise ExportError("no held-out images to check the int8 graph on: give --calibration data with a test or "
-                          "val split, or more images than --calibration-images")  # fmt: skip
+        raise ExportError(
+            "no held-out images to check the int8 graph on: give --calibration data with a test or "
+            "val split, or more images than --calibration-images"
+        )
     check = compare_precisions(fp32, int8, held_out, bound, batch_size)
     check = dataclasses.replace(check, candidate="int8", sample="held-out images")
     meta = fp32.metadata
@@ -450,8 +514,14 @@ def decision_margins(logits: np.ndarray, metadata: ModelMetadata) -> np.ndarray:
 SHOWN_CLASSES = 3
 
 
-def diagnose(held_out: tuple[np.ndarray, np.ndarray], calibration: tuple[np.ndarray, np.ndarray],
-             metadata: ModelMetadata, bound: float, calibration_data: str, max_float_nodes: int) -> str:  # fmt: skip
+def diagnose(
+    held_out: tuple[np.ndarray, np.ndarray],
+    calibration: tuple[np.ndarray, np.ndarray],
+    metadata: ModelMetadata,
+    bound: float,
+    calibration_data: str,
+    max_float_nodes: int,
+) -> str:
     """Why an INT8 graph failed the gate, from the (fp32, int8) logits (N, C) of the held-out and of the calibration
     images: what was measured, then the likelier causes in the order the measurements point to.
 
@@ -474,12 +544,17 @@ def diagnose(held_out: tuple[np.ndarray, np.ndarray], calibration: tuple[np.ndar
     reach = rounding * (1 if multi else 2)  # a flip of the top two moves both logits; a threshold decision one
     near = float((margins <= reach).mean())  # the held-out images int8's rounding alone can flip
     what = "the logit nearest its threshold" if multi else "top-1 minus runner-up logit"
-    measured = (f"fp32's margins ({what}): median {np.median(margins):.3g} over the {len(margins)} held-out images"
-                + (f", {np.median(margins[~same]):.3g} over the {int((~same).sum())} int8 decides otherwise"
-                   if (~same).any() else "")
-                + f"; on the calibration images int8 agrees on {calibration_agreement:.4f} and moves logits by "
-                  f"{rounding:.3g} (median of each image's max |Δlogit|; {np.median(shift(fp32, int8)):.3g} on the "
-                  f"held-out), within reach of another decision for {near:.0%} of the held-out images")  # fmt: skip
+    measured = (
+        f"fp32's margins ({what}): median {np.median(margins):.3g} over the {len(margins)} held-out images"
+        + (
+            f", {np.median(margins[~same]):.3g} over the {int((~same).sum())} int8 decides otherwise"
+            if (~same).any()
+            else ""
+        )
+        + f"; on the calibration images int8 agrees on {calibration_agreement:.4f} and moves logits by "
+        f"{rounding:.3g} (median of each image's max |Δlogit|; {np.median(shift(fp32, int8)):.3g} on the "
+        f"held-out), within reach of another decision for {near:.0%} of the held-out images"
+    )
     if multi:  # per label: that label's decision
         per = (decisions(int8, metadata) == decisions(fp32, metadata)).mean(axis=0)  # (C,)
         counts = np.full(len(per), len(fp32))
@@ -492,21 +567,29 @@ def diagnose(held_out: tuple[np.ndarray, np.ndarray], calibration: tuple[np.ndar
     order = [c for c in np.argsort(per, kind="stable") if np.isfinite(per[c])][:SHOWN_CLASSES]
     classes = ", ".join(f"{metadata.labels[c]} {per[c]:.2f} of {counts[c]}" for c in order)
 
-    weak = (f"the model decides by small margins (weakly trained?): {near:.0%} of the held-out images sit within "
-            "int8's rounding of another decision, and no calibration changes that; train it further, or lower "
-            "--min-agreement / pass --force if this fp32 model is the one to serve")  # fmt: skip
+    weak = (
+        f"the model decides by small margins (weakly trained?): {near:.0%} of the held-out images sit within "
+        "int8's rounding of another decision, and no calibration changes that; train it further, or lower "
+        "--min-agreement / pass --force if this fp32 model is the one to serve"
+    )
     covered = calibration_agreement >= bound  # int8 holds on the images it was calibrated on
     if covered:
-        unlike = (f"the calibration images ({calibration_data}) do not cover the held-out ones: int8 agrees with "
-                  f"fp32 on {calibration_agreement:.4f} of them but on {agreement:.4f} of the held-out; calibrate on "
-                  "images like the served ones, or on more of them (--calibration-images)")  # fmt: skip
+        unlike = (
+            f"the calibration images ({calibration_data}) do not cover the held-out ones: int8 agrees with "
+            f"fp32 on {calibration_agreement:.4f} of them but on {agreement:.4f} of the held-out; calibrate on "
+            "images like the served ones, or on more of them (--calibration-images)"
+        )
     else:
-        unlike = (f"the calibration images ({calibration_data}) may not look like the served ones (the least "
-                  f"likely: int8 disagrees on them too); calibrate on images like the served ones, or on more of "
-                  "them (--calibration-images)")  # fmt: skip
-    coarse = (f"some layers lose too much to int8 (it moves logits by up to {shift(fp32, int8).max():.3g}): leave "
-              f"the most sensitive in float (--max-float-nodes, {max_float_nodes} this time; or --keep-float NODE), "
-              "or try --calibration-method percentile")  # fmt: skip
+        unlike = (
+            f"the calibration images ({calibration_data}) may not look like the served ones (the least "
+            f"likely: int8 disagrees on them too); calibrate on images like the served ones, or on more of "
+            "them (--calibration-images)"
+        )
+    coarse = (
+        f"some layers lose too much to int8 (it moves logits by up to {shift(fp32, int8).max():.3g}): leave "
+        f"the most sensitive in float (--max-float-nodes, {max_float_nodes} this time; or --keep-float NODE), "
+        "or try --calibration-method percentile"
+    )
     if near >= 1 - bound:  # near-ties alone can account for failing the gate
         causes = [weak, *((unlike, coarse) if covered else (coarse, unlike))]
     else:
@@ -557,8 +640,9 @@ class Int8Summary:
         data = json.loads(text)
         known = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(data, dict) or set(data) - known or known - set(data):
-            raise ExportError(f"{INT8_KEY!r} is not a capserve int8 summary; re-export with `capserve export onnx "
-                              "--int8`")  # fmt: skip
+            raise ExportError(
+                f"{INT8_KEY!r} is not a capserve int8 summary; re-export with `capserve export onnx --int8`"
+            )
         return cls(
             **{
                 **data,
@@ -569,8 +653,14 @@ class Int8Summary:
         )
 
 
-def fp32_graph(checkpoint: str | Path, model: Any, digest: str, iterations: int | None = None,
-               opset: int | None = None, use: str = "to quantize") -> Any:  # fmt: skip
+def fp32_graph(
+    checkpoint: str | Path,
+    model: Any,
+    digest: str,
+    iterations: int | None = None,
+    opset: int | None = None,
+    use: str = "to quantize",
+) -> Any:
     """The FP32 ``onnx.ModelProto`` to quantize (or, ``use``, to compare against): the model directory's own
     ``model.onnx`` when it was exported from these weights at this T (and opset, if one is asked for), else a fresh
     export (tracing takes tens of seconds)."""
@@ -589,22 +679,39 @@ def fp32_graph(checkpoint: str | Path, model: Any, digest: str, iterations: int 
             meta = ModelMetadata.from_json(props.get(METADATA_KEY, ""))
         except (ValueError, TypeError):
             meta = None
-        if (meta is not None and meta.weights_sha256 == digest and meta.iterations == T
-                and props.get(PRECISION_KEY, "fp32") == "fp32" and len(proto.graph.output) == 1
-                and opset in (None, version)):  # fmt: skip
+        if (
+            meta is not None
+            and meta.weights_sha256 == digest
+            and meta.iterations == T
+            and props.get(PRECISION_KEY, "fp32") == "fp32"
+            and len(proto.graph.output) == 1
+            and opset in (None, version)
+        ):
             log.info("int8: fp32 graph %s %s (same weights and T)", shipped, use)
             return proto
     with tempfile.TemporaryDirectory(prefix="capserve-int8-") as tmp:
-        path = export_onnx(model, Path(tmp) / "fp32.onnx", iterations, opset=opset or DEFAULT_OPSET,
-                           weights_digest=digest)  # fmt: skip
+        path = export_onnx(
+            model, Path(tmp) / "fp32.onnx", iterations, opset=opset or DEFAULT_OPSET, weights_digest=digest
+        )
         return onnx.load(str(path))
 
 
-def export_int8(checkpoint: str | Path, output: str | Path, calibration: str | Path, *,
-                iterations: int | None = None, images: int = DEFAULT_IMAGES, gate_images: int = GATE_IMAGES,
-                min_agreement: float = MIN_AGREEMENT, force: bool = False, target: str = "onnxruntime",
-                method: str = "minmax", opset: int | None = None, keep_float: Sequence[str] = (),
-                max_float_nodes: int = MAX_FLOAT_NODES) -> tuple[Path, GateReport]:  # fmt: skip
+def export_int8(
+    checkpoint: str | Path,
+    output: str | Path,
+    calibration: str | Path,
+    *,
+    iterations: int | None = None,
+    images: int = DEFAULT_IMAGES,
+    gate_images: int = GATE_IMAGES,
+    min_agreement: float = MIN_AGREEMENT,
+    force: bool = False,
+    target: str = "onnxruntime",
+    method: str = "minmax",
+    opset: int | None = None,
+    keep_float: Sequence[str] = (),
+    max_float_nodes: int = MAX_FLOAT_NODES,
+) -> tuple[Path, GateReport]:
     """Export a model directory to an INT8 QDQ ONNX file calibrated on ``calibration``, gated against FP32.
 
     Args:
@@ -634,8 +741,9 @@ def export_int8(checkpoint: str | Path, output: str | Path, calibration: str | P
     fp32_proto = fp32_graph(checkpoint, model, digest, iterations, opset)
     fp32 = _session(fp32_proto)
     with Quantizer(fp32_proto, data.images, target, method) as quantizer:
-        kept, calibration_agreement, steps = keep_sensitive_in_float(quantizer, fp32, min_agreement, max_float_nodes,
-                                                                     keep_float)  # fmt: skip
+        kept, calibration_agreement, steps = keep_sensitive_in_float(
+            quantizer, fp32, min_agreement, max_float_nodes, keep_float
+        )
         proto = quantizer.build(kept)
         float_nodes = quantizer.activation_products + kept
     int8 = _session(proto)
@@ -643,18 +751,35 @@ def export_int8(checkpoint: str | Path, output: str | Path, calibration: str | P
     log.debug("%s", report)
     searched = f"; left in float by the search: {', '.join(s.node for s in steps)}" if steps else ""
     if not report.passed and not force:
-        why = diagnose((_logits(fp32, data.held_out), _logits(int8, data.held_out)),
-                       (_logits(fp32, data.images), _logits(int8, data.images)), fp32.metadata, min_agreement,
-                       f"{len(data.images)} of --calibration {calibration}", max_float_nodes)  # fmt: skip
+        why = diagnose(
+            (_logits(fp32, data.held_out), _logits(int8, data.held_out)),
+            (_logits(fp32, data.images), _logits(int8, data.images)),
+            fp32.metadata,
+            min_agreement,
+            f"{len(data.images)} of --calibration {calibration}",
+            max_float_nodes,
+        )
         raise Int8GateError(f"not written: {report}{searched}.\n{why}\nOr pass --force to write it anyway")
     c = report.check
     summary = Int8Summary(
-        target=target, method=method, calibration=str(calibration), calibration_images=len(data.images),
-        stratified=data.stratified, quantized_ops=QUANTIZED_OPS, float_nodes=tuple(float_nodes),
-        kept_float=tuple(kept), calibration_agreement=calibration_agreement,
-        gate_split=data.split, gate_images=c.images, agreement=c.agreement, bound=c.bound, metric=report.metric,
-        fp32_accuracy=report.fp32_accuracy, int8_accuracy=report.int8_accuracy, forced=not report.passed,
-    )  # fmt: skip
+        target=target,
+        method=method,
+        calibration=str(calibration),
+        calibration_images=len(data.images),
+        stratified=data.stratified,
+        quantized_ops=QUANTIZED_OPS,
+        float_nodes=tuple(float_nodes),
+        kept_float=tuple(kept),
+        calibration_agreement=calibration_agreement,
+        gate_split=data.split,
+        gate_images=c.images,
+        agreement=c.agreement,
+        bound=c.bound,
+        metric=report.metric,
+        fp32_accuracy=report.fp32_accuracy,
+        int8_accuracy=report.int8_accuracy,
+        forced=not report.passed,
+    )
     set_metadata(proto, {**read_metadata(proto), INT8_KEY: summary.to_json()})
     onnx.checker.check_model(proto)
     output = Path(output)
@@ -676,8 +801,13 @@ def read_summary(path: str | Path) -> Int8Summary:
     return Int8Summary.from_json(props[INT8_KEY])
 
 
-def verify_int8(artifact: str | Path, checkpoint: str | Path, data: str | Path | None = None,
-                min_agreement: float | None = None, gate_images: int = GATE_IMAGES) -> int:  # fmt: skip
+def verify_int8(
+    artifact: str | Path,
+    checkpoint: str | Path,
+    data: str | Path | None = None,
+    min_agreement: float | None = None,
+    gate_images: int = GATE_IMAGES,
+) -> int:
     """``capserve verify --int8``: the export's gate again, FP32 (from ``checkpoint``, at the file's T) against
     the INT8 file, on the held-out images of ``data`` (default: the calibration data the file records). Prints the
     report; returns 0 when it passes, 1 when not."""
@@ -710,14 +840,24 @@ def verify_int8(artifact: str | Path, checkpoint: str | Path, data: str | Path |
 def add_int8_arguments(p: Any) -> None:
     """``capserve export onnx``'s INT8 options."""
     p.add_argument("--int8", action="store_true", help="INT8 QDQ graph calibrated on --calibration, gated against FP32")
-    p.add_argument("--calibration", help="calibration images: a folder or CSV in `capserve train --data` layout "
-                                         "(or a built-in dataset's folder)")  # fmt: skip
-    p.add_argument("--calibration-images", type=int, default=DEFAULT_IMAGES,
-                   help="images to calibrate on, stratified by label when it can (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--calibration",
+        help="calibration images: a folder or CSV in `capserve train --data` layout (or a built-in dataset's folder)",
+    )
+    p.add_argument(
+        "--calibration-images",
+        type=int,
+        default=DEFAULT_IMAGES,
+        help="images to calibrate on, stratified by label when it can (default %(default)s)",
+    )
     p.add_argument("--calibration-method", choices=METHODS, default="minmax", help="(default %(default)s)")
-    p.add_argument("--int8-target", choices=list(TARGETS), default="onnxruntime",
-                   help="onnxruntime: uint8 activations for CPUs; tensorrt: symmetric int8 for `capserve export "
-                        "tensorrt --int8` (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--int8-target",
+        choices=list(TARGETS),
+        default="onnxruntime",
+        help="onnxruntime: uint8 activations for CPUs; tensorrt: symmetric int8 for `capserve export "
+        "tensorrt --int8` (default %(default)s)",
+    )
     p.add_argument(
         "--min-agreement",
         type=float,
@@ -731,9 +871,13 @@ def add_int8_arguments(p: Any) -> None:
         metavar="NODE",
         help="Conv/MatMul/Gemm nodes to leave in float (names as in the graph; a wrong one lists them)",
     )
-    p.add_argument("--max-float-nodes", type=int, default=MAX_FLOAT_NODES,
-                   help="when INT8 agrees with FP32 below --min-agreement on the calibration images, leave up to N "
-                        "more of the most sensitive nodes in float (0: never; default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--max-float-nodes",
+        type=int,
+        default=MAX_FLOAT_NODES,
+        help="when INT8 agrees with FP32 below --min-agreement on the calibration images, leave up to N "
+        "more of the most sensitive nodes in float (0: never; default %(default)s)",
+    )
     p.add_argument("--gate-images", type=int, default=GATE_IMAGES, help="held-out images scored (default %(default)s)")
     p.add_argument("--force", action="store_true", help="write the INT8 file even when it fails the agreement gate")
 
@@ -747,11 +891,20 @@ def export_int8_from_args(args: Any) -> Path:
     if args.iterations and len(args.iterations) > 1:
         raise ExportError("--int8 exports one routing iteration count at a time: give one -T")
     path, report = export_int8(
-        args.checkpoint, args.output, args.calibration, iterations=args.iterations[0] if args.iterations else None,
-        images=args.calibration_images, gate_images=args.gate_images, min_agreement=args.min_agreement,
-        force=args.force, target=args.int8_target, method=args.calibration_method, opset=args.opset,
-        keep_float=args.keep_float, max_float_nodes=args.max_float_nodes,
-    )  # fmt: skip
+        args.checkpoint,
+        args.output,
+        args.calibration,
+        iterations=args.iterations[0] if args.iterations else None,
+        images=args.calibration_images,
+        gate_images=args.gate_images,
+        min_agreement=args.min_agreement,
+        force=args.force,
+        target=args.int8_target,
+        method=args.calibration_method,
+        opset=args.opset,
+        keep_float=args.keep_float,
+        max_float_nodes=args.max_float_nodes,
+    )
     print(report)
     if not report.passed:
         print(f"warning: written with --force below the bound {args.min_agreement:g}")

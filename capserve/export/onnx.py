@@ -93,8 +93,9 @@ def load_checkpoint(checkpoint: str | Path) -> tuple[CapsNet, str]:
     return model, file_sha256(Path(checkpoint) / WEIGHTS)
 
 
-def metadata_props(metadata: ModelMetadata, precision: str, outputs: Sequence[str],
-                   config: ModelConfig | None = None) -> dict[str, str]:  # fmt: skip
+def metadata_props(
+    metadata: ModelMetadata, precision: str, outputs: Sequence[str], config: ModelConfig | None = None
+) -> dict[str, str]:
     """The key/value pairs written into an exported file's ``metadata_props``."""
     # the architecture, for runtimes that size their work by it (not ``extra``: training provenance stays home)
     architecture = {} if config is None else {CONFIG_KEY: json.dumps({**config.to_dict(), "extra": {}})}
@@ -132,8 +133,11 @@ def read_metadata(proto: Any) -> dict[str, str]:
 def _quiet_exporter() -> Iterator[None]:
     """Silence the exporter's chatter: per-op registration warnings ("torchvision is not installed") and the
     graph optimiser's INFO lines, which are about the exporter's internals, not the user's model."""
-    levels = {"torch.onnx._internal.exporter._registration": logging.ERROR, "onnxscript": logging.WARNING,
-              "onnx_ir": logging.WARNING}  # fmt: skip
+    levels = {
+        "torch.onnx._internal.exporter._registration": logging.ERROR,
+        "onnxscript": logging.WARNING,
+        "onnx_ir": logging.WARNING,
+    }
     saved = {name: logging.getLogger(name).level for name in levels}
     for name, level in levels.items():
         logging.getLogger(name).setLevel(max(level, logging.getLogger(name).getEffectiveLevel()))
@@ -160,16 +164,31 @@ def to_onnx_proto(model: CapsNet, iterations: int, opset: int = DEFAULT_OPSET, e
     outputs = [LOGITS, PART_WHOLE] if explain else [LOGITS]
     with _quiet_exporter(), torch.no_grad():
         program = torch.onnx.export(
-            wrapper, (example,), dynamo=True, opset_version=opset, input_names=[INPUT], output_names=outputs,
-            dynamic_shapes={"images": {0: batch}}, optimize=True, verbose=False,
-        )  # fmt: skip
+            wrapper,
+            (example,),
+            dynamo=True,
+            opset_version=opset,
+            input_names=[INPUT],
+            output_names=outputs,
+            dynamic_shapes={"images": {0: batch}},
+            optimize=True,
+            verbose=False,
+        )
     if program is None:  # pragma: no cover - only the legacy exporter returns None
         raise ExportError("torch.onnx.export returned no program; upgrade torch to >= 2.6")
     return program.model_proto
 
 
-def export_onnx(model: CapsNet, path: str | Path, iterations: int | None = None, *, opset: int = DEFAULT_OPSET,
-                explain: bool = False, fp16: bool = False, weights_digest: str | None = None) -> Path:  # fmt: skip
+def export_onnx(
+    model: CapsNet,
+    path: str | Path,
+    iterations: int | None = None,
+    *,
+    opset: int = DEFAULT_OPSET,
+    explain: bool = False,
+    fp16: bool = False,
+    weights_digest: str | None = None,
+) -> Path:
     """Export ``model`` with ``iterations`` routing iterations unrolled to one self-contained ONNX file.
 
     Args:
@@ -205,8 +224,11 @@ def export_onnx(model: CapsNet, path: str | Path, iterations: int | None = None,
     set_metadata(proto, metadata_props(metadata, precision, outputs, model.config))
     proto.producer_name = "capserve"
     proto.producer_version = capserve.__version__
-    proto.doc_string = (f"{metadata.name}: capsule network, {T} routing iteration(s) unrolled" if T is not None
-                        else f"{metadata.name}: CNN ({model.config.head} head), no routing")  # fmt: skip
+    proto.doc_string = (
+        f"{metadata.name}: capsule network, {T} routing iteration(s) unrolled"
+        if T is not None
+        else f"{metadata.name}: CNN ({model.config.head} head), no routing"
+    )
     onnx.checker.check_model(proto, full_check=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -232,8 +254,9 @@ def output_paths(output: str | Path, iterations: Sequence[int]) -> list[Path]:
     return [output.with_name(f"{output.stem}-T{t}{output.suffix or '.onnx'}") for t in iterations]
 
 
-def export_checkpoint(checkpoint: str | Path, output: str | Path, iterations: Sequence[int] | None = None,
-                      **options: Any) -> list[Path]:  # fmt: skip
+def export_checkpoint(
+    checkpoint: str | Path, output: str | Path, iterations: Sequence[int] | None = None, **options: Any
+) -> list[Path]:
     """Export a model directory once per T in ``iterations`` (default: the config's); returns the files written."""
     model, digest = load_checkpoint(checkpoint)
     Ts = list(iterations) if iterations else [model._iterations(None)]  # the config's T (None: a CNN)

@@ -40,8 +40,10 @@ class OnnxSource:
 
 def check_batch_range(min_batch: int, opt_batch: int, max_batch: int) -> None:
     if not 1 <= min_batch <= opt_batch <= max_batch:
-        raise ExportError(f"batch sizes need 1 <= --min-batch <= --opt-batch <= --max-batch, got {min_batch}, "
-                          f"{opt_batch}, {max_batch}")  # fmt: skip
+        raise ExportError(
+            f"batch sizes need 1 <= --min-batch <= --opt-batch <= --max-batch, got {min_batch}, "
+            f"{opt_batch}, {max_batch}"
+        )
 
 
 def read_onnx(path: str | Path, fp16: bool = False) -> OnnxSource:
@@ -90,9 +92,19 @@ def parser_errors(parser: Any) -> str:
     return "\n".join(lines)
 
 
-def build_engine(onnx_path: str | Path, engine_path: str | Path, min_batch: int = 1, opt_batch: int = 16,
-                 max_batch: int = 64, *, timing_cache: str | Path | None = None, fp16: bool = False,
-                 workspace_gib: float = 4.0, tf32: bool = False, int8: bool = False) -> Path:  # fmt: skip
+def build_engine(
+    onnx_path: str | Path,
+    engine_path: str | Path,
+    min_batch: int = 1,
+    opt_batch: int = 16,
+    max_batch: int = 64,
+    *,
+    timing_cache: str | Path | None = None,
+    fp16: bool = False,
+    workspace_gib: float = 4.0,
+    tf32: bool = False,
+    int8: bool = False,
+) -> Path:
     """Build and write a serialised engine for ``onnx_path`` and its sidecar ``engine_path + '.json'``.
 
     Args:
@@ -146,11 +158,19 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, min_batch: int 
     if cache_path is not None:
         cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
         if not config.set_timing_cache(cache, ignore_mismatch=False):  # made elsewhere: TensorRT ignores it
-            log.warning("timing cache %s was made by another TensorRT version or GPU: ignored, and overwritten "
-                        "by this build's", cache_path)  # fmt: skip
+            log.warning(
+                "timing cache %s was made by another TensorRT version or GPU: ignored, and overwritten by this build's",
+                cache_path,
+            )
 
-    log.info("building a TensorRT %s engine for %s on %s (batch %d..%d)", trt.__version__, onnx_path, gpu,
-             min_batch, max_batch)  # fmt: skip
+    log.info(
+        "building a TensorRT %s engine for %s on %s (batch %d..%d)",
+        trt.__version__,
+        onnx_path,
+        gpu,
+        min_batch,
+        max_batch,
+    )
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise ExportError(f"TensorRT could not build an engine from {onnx_path} (see its log above)")
@@ -161,10 +181,18 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, min_batch: int 
     if cache_path is not None:
         cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
     sidecar = EngineSidecar(
-        tensorrt_version=trt.__version__, gpu_name=gpu, onnx_sha256=source.sha256, engine_sha256=sha256_bytes(engine),
-        min_batch=min_batch, opt_batch=opt_batch, max_batch=max_batch, input_name=source.input_name,
-        outputs=source.outputs, precision=source.precision, metadata=source.metadata,
-    )  # fmt: skip
+        tensorrt_version=trt.__version__,
+        gpu_name=gpu,
+        onnx_sha256=source.sha256,
+        engine_sha256=sha256_bytes(engine),
+        min_batch=min_batch,
+        opt_batch=opt_batch,
+        max_batch=max_batch,
+        input_name=source.input_name,
+        outputs=source.outputs,
+        precision=source.precision,
+        metadata=source.metadata,
+    )
     sidecar_path(engine_path).write_text(sidecar.to_json())
     log.info("wrote %s and %s", engine_path, sidecar_path(engine_path))
     return engine_path

@@ -44,22 +44,33 @@ DEFAULTS = {"fp32": (1e-4, 1e-4, 1.0), "fp16": (2e-2, 1e-1, 0.95), "bf16": (0.5,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifact", help=".onnx file, TensorRT engine (.plan) or model directory")
-    parser.add_argument("--against", help="the checkpoint (model directory) it was exported from (default: the "
-                                          "artifact, when it is a model directory)")  # fmt: skip
+    parser.add_argument(
+        "--against",
+        help="the checkpoint (model directory) it was exported from (default: the "
+        "artifact, when it is a model directory)",
+    )
     parser.add_argument("--images", help="folder of images to use (default: seeded random images)")
-    parser.add_argument("--batch-sizes", help=f"comma-separated (default 1,7,64; {SAMPLE_SIZE} at bf16: the "
-                                              "service's start-up check)")  # fmt: skip
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="torch backend (a model directory): fp32, bf16 autocast, or auto (bf16 where the CPU "
-                             "has native bf16) (default %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--batch-sizes", help=f"comma-separated (default 1,7,64; {SAMPLE_SIZE} at bf16: the service's start-up check)"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="torch backend (a model directory): fp32, bf16 autocast, or auto (bf16 where the CPU "
+        "has native bf16) (default %(default)s)",
+    )
     parser.add_argument("--backend", choices=list(BACKENDS), help="default: from the artifact's file name")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
     parser.add_argument("--atol", type=float, help="logit tolerance (default 1e-4 FP32, 2e-2 FP16)")
     parser.add_argument("--rtol", type=float, help="logit tolerance per unit of max |logit| (1e-4 FP32, 0.1 FP16)")
     parser.add_argument("--min-agreement", type=float, help="least top-1 agreement (default 1.0 FP32, 0.95 FP16)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random images (default %(default)s)")
-    parser.add_argument("--int8", action="store_true", help="an INT8 export: repeat its gate (agreement and accuracy "
-                                                            "on held-out images of --data)")  # fmt: skip
+    parser.add_argument(
+        "--int8",
+        action="store_true",
+        help="an INT8 export: repeat its gate (agreement and accuracy on held-out images of --data)",
+    )
     parser.add_argument("--data", help="--int8: the images to hold out (default: the calibration data it records)")
 
 
@@ -121,11 +132,16 @@ def compare(reference: Runtime, artifact: Runtime, images: np.ndarray, batch_siz
         ref, out = reference.predict(x), artifact.predict(x)
         diff = np.abs(out.astype(np.float64) - ref)
         scale = float(np.abs(ref).max())
-        rows.append(Comparison(
-            batch=B, max_abs=float(diff.max()), max_rel=float(diff.max() / max(scale, 1e-12)), scale=scale,
-            max_abs_prob=float(np.abs(probabilities(out, task) - probabilities(ref, task)).max()),
-            agreement=agreement(ref, out, meta),
-        ))  # fmt: skip
+        rows.append(
+            Comparison(
+                batch=B,
+                max_abs=float(diff.max()),
+                max_rel=float(diff.max() / max(scale, 1e-12)),
+                scale=scale,
+                max_abs_prob=float(np.abs(probabilities(out, task) - probabilities(ref, task)).max()),
+                agreement=agreement(ref, out, meta),
+            )
+        )
     return rows
 
 
@@ -146,16 +162,19 @@ def run(args: argparse.Namespace) -> int:
         backend = args.backend or infer_backend(args.artifact)
         options["precision"], reason = resolve_precision(args.precision, backend, args.device)
         print(f"precision {options['precision']} ({reason})")
-    sizes = parse_batch_sizes(args.batch_sizes or (str(SAMPLE_SIZE) if options.get("precision") == "bf16"
-                                                   else "1,7,64"))  # fmt: skip
+    sizes = parse_batch_sizes(
+        args.batch_sizes or (str(SAMPLE_SIZE) if options.get("precision") == "bf16" else "1,7,64")
+    )
     artifact = load_runtime(args.artifact, backend=args.backend, device=args.device, **options)
     meta = artifact.metadata
     reference = TorchRuntime(against, device="cpu", iterations=meta.iterations)
     ref_meta = reference.metadata
     for field in ("name", "labels", "task", "in_channels", "image_size", "mean", "std"):
         if getattr(meta, field) != getattr(ref_meta, field):
-            raise UsageError(f"{args.artifact} is a different model than {against}: {field} "
-                             f"{getattr(meta, field)!r} vs {getattr(ref_meta, field)!r}")  # fmt: skip
+            raise UsageError(
+                f"{args.artifact} is a different model than {against}: {field} "
+                f"{getattr(meta, field)!r} vs {getattr(ref_meta, field)!r}"
+            )
     weights_note = ""
     if meta.weights_sha256 != ref_meta.weights_sha256:  # another file; maybe the same weights saved again
         a, b = meta.weights_sha256[:12], ref_meta.weights_sha256[:12]
@@ -172,8 +191,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         images, source = random_images(meta, count, args.seed), f"random images (seed {args.seed})"
     routing = "no routing (CNN)" if meta.iterations is None else f"T={meta.iterations}"
-    print(f"{args.artifact}: {meta.name}, {routing}, {precision}, {artifact.backend} on "
-          f"{', '.join(artifact.providers)}; eager fp32 reference {against}; {source}{weights_note}")  # fmt: skip
+    print(
+        f"{args.artifact}: {meta.name}, {routing}, {precision}, {artifact.backend} on "
+        f"{', '.join(artifact.providers)}; eager fp32 reference {against}; {source}{weights_note}"
+    )
     agree = "labels agree" if meta.task == "multi_label" else "top-1 agree"  # per image, all decisions equal
     print(f"tolerance: max |Δlogit| <= {atol:g} + {rtol:g}·max|logit|, {agree} >= {min_agreement:g}")
     print(f"{'batch':>5}  {'max|Δlogit|':>11}  {'rel':>9}  {'max|Δprob|':>10}  {agree:>12}  result")
@@ -181,7 +202,9 @@ def run(args: argparse.Namespace) -> int:
     for row in compare(reference, artifact, images, sizes):
         ok = row.within(atol, rtol, min_agreement)
         failed |= not ok
-        print(f"{row.batch:>5}  {row.max_abs:>11.3e}  {row.max_rel:>9.2e}  {row.max_abs_prob:>10.3e}  "
-              f"{row.agreement:>12.4f}  {'ok' if ok else 'FAIL'}")  # fmt: skip
+        print(
+            f"{row.batch:>5}  {row.max_abs:>11.3e}  {row.max_rel:>9.2e}  {row.max_abs_prob:>10.3e}  "
+            f"{row.agreement:>12.4f}  {'ok' if ok else 'FAIL'}"
+        )
     print("FAILED: tolerances exceeded" if failed else "passed")
     return 1 if failed else 0

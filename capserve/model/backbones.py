@@ -69,9 +69,11 @@ def resnet18_backbone(in_channels: int, channels: int = 64) -> nn.Sequential:
         previous = widths[max(i - 1, 0)]
         blocks += [BasicBlock(previous, width, stride=1 if i == 0 else 2), BasicBlock(width, width)]
     return nn.Sequential(
-        nn.Conv2d(in_channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True),
+        nn.Conv2d(in_channels, channels, 3, padding=1, bias=False),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(inplace=True),
         *blocks,
-    )  # fmt: skip
+    )
 
 
 # ``ModelConfig.backbone`` → the stem it builds, (B, in_channels, H, W) → (B, channels, h, w); the one table of

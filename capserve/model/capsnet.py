@@ -88,17 +88,32 @@ class CapsNet(nn.Module):
         c = config
         self.backbone = BACKBONES[c.backbone](c)
         primary, layer = PRIMARY_CAPSULES[c.routing_algorithm], CAPSULE_LAYERS[c.routing_algorithm]
-        self.primary = primary(c.backbone_channels, c.primary_types, c.pose_dim, c.primary_kernel, c.primary_stride,
-                               c.primary_padding, c.layer_norm)  # fmt: skip
+        self.primary = primary(
+            c.backbone_channels,
+            c.primary_types,
+            c.pose_dim,
+            c.primary_kernel,
+            c.primary_stride,
+            c.primary_padding,
+            c.layer_norm,
+        )
         specs = (*c.capsules, CapsuleLayerConfig("fc", c.num_classes))
         sizes = (*c.spatial_sizes, *[0] * len(specs))  # grid side of each layer's children (0: no grid)
         in_types = (c.primary_types, *(s.types for s in specs[:-1]))
         shared = {"shared": True} if c.class_weights == "shared" else {}  # the class layer's (attention's option)
         self.capsules = nn.ModuleList(
-            layer(spec, in_types[i], sizes[i], c.pose, c.pose_dim, c.layer_norm, c.activations,
-                  **(shared if i == len(specs) - 1 else {}))
+            layer(
+                spec,
+                in_types[i],
+                sizes[i],
+                c.pose,
+                c.pose_dim,
+                c.layer_norm,
+                c.activations,
+                **(shared if i == len(specs) - 1 else {}),
+            )
             for i, spec in enumerate(specs)
-        )  # fmt: skip
+        )
         # attention: one logit head shared by all class capsules; other routings read their class capsules out
         # themselves (length, activation), as ``class_logits`` of their last layer
         self.classifier = nn.Linear(c.pose_dim, 1) if c.routing_algorithm == "attention" else None

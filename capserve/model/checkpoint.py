@@ -47,13 +47,17 @@ def read_config(directory: str | Path) -> ModelConfig:
     """The ``ModelConfig`` stored in a model directory."""
     path = Path(directory) / CONFIG
     if not path.is_file():
-        raise CheckpointError(f"{path} not found: a model directory holds {CONFIG} and {WEIGHTS} "
-                              "(written by model.save(dir) or `capserve train`)")  # fmt: skip
+        raise CheckpointError(
+            f"{path} not found: a model directory holds {CONFIG} and {WEIGHTS} "
+            "(written by model.save(dir) or `capserve train`)"
+        )
     try:
         payload = json.loads(path.read_text())
         if payload.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{path}: format_version {payload.get('format_version')!r} is not "
-                                  f"{FORMAT_VERSION}; re-save it with this capserve version")  # fmt: skip
+            raise CheckpointError(
+                f"{path}: format_version {payload.get('format_version')!r} is not "
+                f"{FORMAT_VERSION}; re-save it with this capserve version"
+            )
         return ModelConfig.from_dict(payload["config"])
     except CheckpointError:
         raise

@@ -59,8 +59,7 @@ class CNN(nn.Module):
             channels, side, dense = 8 * c.backbone_channels, c.feature_size, []
         else:
             channels = c.primary_types * c.pose_dim
-            convs = [conv_bn_relu(c.backbone_channels, channels, c.primary_kernel, c.primary_stride,
-                                  c.primary_padding)]  # fmt: skip
+            convs = [conv_bn_relu(c.backbone_channels, channels, c.primary_kernel, c.primary_stride, c.primary_padding)]
             for layer in c.capsules:
                 if layer.kind == "conv":
                     convs.append(conv_bn_relu(channels, layer.types * c.pose_dim, layer.kernel_size, layer.stride, 0))
@@ -92,8 +91,10 @@ class CNN(nn.Module):
         """None: what a CNN runs with. A number is a mistake the caller should hear about."""
         if iterations is not None:
             c = self.config
-            raise ValueError(f"{c.name} is a CNN (head {c.head!r}) without routing: routing iterations do not apply "
-                             f"(got {iterations!r}); leave them unset")  # fmt: skip
+            raise ValueError(
+                f"{c.name} is a CNN (head {c.head!r}) without routing: routing iterations do not apply "
+                f"(got {iterations!r}); leave them unset"
+            )
 
     def save(self, directory: str | Path) -> Path:
         """Write ``model.safetensors`` and ``config.json`` into ``directory`` (see ``capserve.load``)."""

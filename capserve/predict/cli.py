@@ -41,14 +41,25 @@ PREFETCH_BATCHES = 2  # batches decoded ahead of the one the runtime answers
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a model folder, an exported .onnx (or INT8) file, a TensorRT engine, or "
-                   "NAME[:VERSION] in BentoML's model store (as capserve serve takes it)")  # fmt: skip
-    p.add_argument("sources", nargs="+", metavar="SOURCE", help="image files, folders (recursive), globs, CSV "
-                   "manifests (their image column) or - (one path per line on stdin)")  # fmt: skip
+    p.add_argument(
+        "model",
+        help="a model folder, an exported .onnx (or INT8) file, a TensorRT engine, or "
+        "NAME[:VERSION] in BentoML's model store (as capserve serve takes it)",
+    )
+    p.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="image files, folders (recursive), globs, CSV "
+        "manifests (their image column) or - (one path per line on stdin)",
+    )
     p.add_argument("--out", help="write the rows here: .csv or .jsonl (default: JSON Lines on stdout)")
     p.add_argument("--top-k", type=int, default=5, help="single-label models: labels per image (default 5)")
-    p.add_argument("--threshold", type=float, help="multi-label models: one threshold for every label (default: the "
-                   "model's calibrated ones)")  # fmt: skip
+    p.add_argument(
+        "--threshold",
+        type=float,
+        help="multi-label models: one threshold for every label (default: the model's calibrated ones)",
+    )
     p.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"), help="as CAPSERVE_PRECISION")
@@ -107,8 +118,9 @@ class Writer:
             self.csv.writerow((path, "", "", "", record["error"]))
             return
         top = (record.get("predictions") or record.get("labels") or [None])[0]
-        self.csv.writerow((path, top["label"] if top else "", f"{top['probability']:.6g}" if top else "",
-                           json.dumps(record), ""))  # fmt: skip
+        self.csv.writerow(
+            (path, top["label"] if top else "", f"{top['probability']:.6g}" if top else "", json.dumps(record), "")
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -119,8 +131,9 @@ def batches(paths: Iterator[str], size: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def answer_stream(predictor: Predictor, paths: Iterator[str], batch_size: int, workers: int
-                  ) -> Iterator[tuple[str, dict[str, Any]]]:  # fmt: skip
+def answer_stream(
+    predictor: Predictor, paths: Iterator[str], batch_size: int, workers: int
+) -> Iterator[tuple[str, dict[str, Any]]]:
     """(path, record) in the input's order; decoding runs ``PREFETCH_BATCHES`` batches ahead in ``workers`` threads
     while the runtime answers the oldest batch."""
     pending: deque[tuple[list[str], list[Future]]] = deque()
@@ -154,8 +167,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-failures is a fraction in [0, 1], got {args.max_failures}")
     if args.resume and not args.out:
         raise UsageError("--resume appends to --out FILE: give --out too")
-    predictor = Predictor(args.model, backend=args.backend, device=args.device, precision=args.precision,
-                          iterations=args.iterations, top_k=args.top_k, threshold=args.threshold)  # fmt: skip
+    predictor = Predictor(
+        args.model,
+        backend=args.backend,
+        device=args.device,
+        precision=args.precision,
+        iterations=args.iterations,
+        top_k=args.top_k,
+        threshold=args.threshold,
+    )
     out = Path(args.out) if args.out else None
     skip: set[str] = set()
     if out is not None and args.resume and out.is_file():
@@ -169,8 +189,9 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         stream = stack.enter_context(open(out, "a", newline="")) if out is not None else sys.stdout
         writer = Writer(stream, fmt, header=out is None or out.stat().st_size == 0)
-        bar = stack.enter_context(tqdm(unit="img", desc="predict", file=sys.stderr, dynamic_ncols=True,
-                                       mininterval=0.5))  # fmt: skip
+        bar = stack.enter_context(
+            tqdm(unit="img", desc="predict", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+        )
         stack.callback(stream.flush)
         for i, (path, record) in enumerate(answer_stream(predictor, paths, args.batch_size, args.workers)):
             writer.write(path, record)
@@ -179,14 +200,19 @@ def run(args: argparse.Namespace) -> int:
             if (i + 1) % args.batch_size == 0:
                 stream.flush()
     seconds = time.perf_counter() - start
-    print(f"capserve predict: {images} images, {failures} failed, {images / max(seconds, 1e-9):.1f} images/s"
-          + (f" ({len(skip)} skipped: already in {out})" if skip else ""), file=sys.stderr)  # fmt: skip
+    print(
+        f"capserve predict: {images} images, {failures} failed, {images / max(seconds, 1e-9):.1f} images/s"
+        + (f" ({len(skip)} skipped: already in {out})" if skip else ""),
+        file=sys.stderr,
+    )
     if images and images == failures:
         print("capserve predict: no image could be answered", file=sys.stderr)
         return 1
     if images and failures / images > args.max_failures:
-        print(f"capserve predict: {failures / images:.1%} of the images failed (--max-failures "
-              f"{args.max_failures:g})", file=sys.stderr)  # fmt: skip
+        print(
+            f"capserve predict: {failures / images:.1%} of the images failed (--max-failures {args.max_failures:g})",
+            file=sys.stderr,
+        )
         return 1
     if not images and not skip:
         print("capserve predict: the sources hold no image", file=sys.stderr)

@@ -56,12 +56,28 @@ class Predictor:
         'cat'
     """
 
-    def __init__(self, model: str = "models/cifar10", *, backend: str = "onnxruntime", device: str = "cpu",
-                 precision: str = "auto", iterations: int | None = None, top_k: int = 5,
-                 threshold: float | None = None, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:  # fmt: skip
-        settings = dataclasses.replace(Settings(), model=str(model), multilabel_model="none", backend=backend,
-                                       device=device, precision=precision, iterations=iterations,
-                                       max_pixels=max_pixels)  # fmt: skip
+    def __init__(
+        self,
+        model: str = "models/cifar10",
+        *,
+        backend: str = "onnxruntime",
+        device: str = "cpu",
+        precision: str = "auto",
+        iterations: int | None = None,
+        top_k: int = 5,
+        threshold: float | None = None,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+    ) -> None:
+        settings = dataclasses.replace(
+            Settings(),
+            model=str(model),
+            multilabel_model="none",
+            backend=backend,
+            device=device,
+            precision=precision,
+            iterations=iterations,
+            max_pixels=max_pixels,
+        )
         self.runtime, _, self.source = open_model(str(model), settings, explain=False)
         self.metadata = meta = self.runtime.metadata
         self.multi_label = meta.task == "multi_label"
@@ -90,8 +106,11 @@ class Predictor:
             logits = self.runtime.predict(normalize_images(pixels, self.metadata))  # (B, classes)
         except InputError as e:
             raise ValueError(str(e)) from e
-        answers = (multilabel_answers(logits, self.metadata, self.threshold) if self.multi_label
-                   else classifications(logits, self.metadata, self.top_k))  # fmt: skip
+        answers = (
+            multilabel_answers(logits, self.metadata, self.threshold)
+            if self.multi_label
+            else classifications(logits, self.metadata, self.top_k)
+        )
         return [a.model_dump() for a in answers]
 
     def predict(self, items: Sequence[Item]) -> list[dict[str, Any]]:
@@ -109,8 +128,10 @@ class Predictor:
         ``error`` (empty, or why the image could not be read)."""
         items = batch["image"] if "image" in batch else batch["path"]
         records = self.predict(list(items))
-        out = {"answer": np.array(["" if "error" in r else json.dumps(r) for r in records], dtype=object),
-               "error": np.array([r.get("error", "") for r in records], dtype=object)}  # fmt: skip
+        out = {
+            "answer": np.array(["" if "error" in r else json.dumps(r) for r in records], dtype=object),
+            "error": np.array([r.get("error", "") for r in records], dtype=object),
+        }
         if "path" in batch:
             out["path"] = np.asarray(batch["path"], dtype=object)
         return out

@@ -95,8 +95,9 @@ def uniform_conv_step(grid: Tensor, weight: Tensor, kernel_size: int, stride: in
     return normalize(s / J)
 
 
-def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: Normalize,
-                 keep_coefficients: bool = False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def routing_step(
+    children: Tensor, weight: Tensor, parents: Tensor, normalize: Normalize, keep_coefficients: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """One inverted dot-product attention iteration given the parents' current poses, a block of rows at a time.
 
     Args:
@@ -130,8 +131,9 @@ def routing_step(children: Tensor, weight: Tensor, parents: Tensor, normalize: N
         if inplace and not keep_coefficients and fusable(children, weight, rows * N * J * D_out):
             coefficient_bytes = N * J * children.element_size()  # per row
             # fused_block's layouts are views of the eager step's: (BP, N, r, X), (N, X, Y, J), (BP, r, Y, J)
-            sums, done = fused_rows(u.view(rows, N, r, -1), w.view(N, -1, Y, J), q.view(rows, r, Y, J),
-                                     coefficient_bytes)  # fmt: skip
+            sums, done = fused_rows(
+                u.view(rows, N, r, -1), w.view(N, -1, Y, J), q.view(rows, r, Y, J), coefficient_bytes
+            )
         block = block_rows(row_bytes)
         blocks = row_blocks(rows, block, start=done)
         size = N * min(block, rows - done) * J * D_out
@@ -164,8 +166,16 @@ def pose_norm(dim: int, enabled: bool) -> nn.Module:
 class PrimaryCapsules(nn.Module):
     """A bias-free conv to types × D channels; each D-vector is one capsule's pose, LayerNorm'd."""
 
-    def __init__(self, in_channels: int, types: int, pose_dim: int, kernel: int, stride: int, padding: int,
-                 layer_norm: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        in_channels: int,
+        types: int,
+        pose_dim: int,
+        kernel: int,
+        stride: int,
+        padding: int,
+        layer_norm: bool = True,
+    ):
         super().__init__()
         self.types, self.pose_dim = types, pose_dim
         self.conv = nn.Conv2d(in_channels, types * pose_dim, kernel, stride=stride, padding=padding, bias=False)
@@ -218,8 +228,17 @@ class CapsuleLayer(nn.Module):
         children: (B, H, W, I, D) or (B, I, D); parents: (B, h, w, J, D) (conv) or (B, J, D) (fc).
     """
 
-    def __init__(self, config: CapsuleLayerConfig, in_types: int, in_size: int, pose: str, pose_dim: int,
-                 layer_norm: bool = True, activations: bool = False, shared: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        config: CapsuleLayerConfig,
+        in_types: int,
+        in_size: int,
+        pose: str,
+        pose_dim: int,
+        layer_norm: bool = True,
+        activations: bool = False,
+        shared: bool = False,
+    ):
         super().__init__()
         self.kind, self.kernel_size, self.stride = config.kind, config.kernel_size, config.stride
         self.types = config.types
@@ -269,8 +288,9 @@ class CapsuleLayer(nn.Module):
             parents, coefficients = self(u, parents, keep_coefficients)
         return parents, coefficients
 
-    def forward(self, u: Tensor, parents: Tensor | None = None, keep_coefficients: bool = False
-                ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    def forward(
+        self, u: Tensor, parents: Tensor | None = None, keep_coefficients: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
         """One routing iteration: uniform when ``parents`` is None, else attention to the given parents.
 
         Returns the new parent poses and, with ``keep_coefficients``, the routing coefficients (B, P, N, J) of an

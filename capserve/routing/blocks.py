@@ -49,8 +49,9 @@ def row_blocks(rows: int, block: int, start: int = 0) -> list[tuple[int, int]]:
     return [(first, min(first + block, rows)) for first in range(start, rows, block)]
 
 
-def vote_blocks(children: Tensor, weight: Tensor, *inputs: Tensor
-                ) -> tuple[Tensor, Tensor, list[tuple[int, int]], Tensor | None]:  # fmt: skip
+def vote_blocks(
+    children: Tensor, weight: Tensor, *inputs: Tensor
+) -> tuple[Tensor, Tensor, list[tuple[int, int]], Tensor | None]:
     """How a routing step works through its (batch × position) rows: the same blocks as ``routing_step``.
 
     Args:

@@ -38,8 +38,9 @@ def squash(s: Tensor) -> Tensor:
     return s * (length / (1 + length * length))  # (…, D)
 
 
-def dynamic_routing(children: Tensor, weight: Tensor, iterations: int,
-                    keep_coefficients: bool = False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def dynamic_routing(
+    children: Tensor, weight: Tensor, iterations: int, keep_coefficients: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """All ``iterations`` rounds of dynamic routing between children and parents, a block of rows at a time.
 
     Args:
@@ -106,8 +107,16 @@ class SquashedPrimaryCapsules(PrimaryCapsules):
     the squash takes LayerNorm's place.
     """
 
-    def __init__(self, in_channels: int, types: int, pose_dim: int, kernel: int, stride: int, padding: int,
-                 layer_norm: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        in_channels: int,
+        types: int,
+        pose_dim: int,
+        kernel: int,
+        stride: int,
+        padding: int,
+        layer_norm: bool = False,
+    ):
         if layer_norm:
             raise ValueError("dynamic routing squashes its capsules instead of LayerNorm: set layer_norm=False")
         super().__init__(in_channels, types, pose_dim, kernel, stride, padding, layer_norm=False)
@@ -135,8 +144,16 @@ class DynamicCapsuleLayer(CapsuleLayer):
     # out of float32's reach of 1 (|s| > 1000) or exactly 0 lose their gradient
     MIN_LENGTH, LENGTH_EPS = 1e-12, 1e-6
 
-    def __init__(self, config: CapsuleLayerConfig, in_types: int, in_size: int, pose: str, pose_dim: int,
-                 layer_norm: bool = False, activations: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        config: CapsuleLayerConfig,
+        in_types: int,
+        in_size: int,
+        pose: str,
+        pose_dim: int,
+        layer_norm: bool = False,
+        activations: bool = False,
+    ):
         if pose != "vector" or layer_norm or activations:
             raise ValueError(
                 "dynamic routing has vector poses, squashed: set pose='vector', layer_norm=False, activations=False"
@@ -153,16 +170,19 @@ class DynamicCapsuleLayer(CapsuleLayer):
         """All ``iterations`` rounds with the children fixed; see ``forward``."""
         return self(u, iterations, keep_coefficients)
 
-    def forward(self, u: Tensor, iterations: int = 3, keep_coefficients: bool = False  # type: ignore[override]
-                ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    def forward(
+        self,
+        u: Tensor,
+        iterations: int = 3,
+        keep_coefficients: bool = False,  # type: ignore[override]
+    ) -> tuple[Tensor, Tensor | None]:
         """Parents after ``iterations`` rounds, and with ``keep_coefficients`` the coupling coefficients (B, P, N, J)
         of the last round (None at one round, which couples uniformly: the caller fills in 1/J)."""
         if iterations == 1:  # c_ij = 1/J: one product (conv: one conv2d), no vote tensor
             if self.kind == "conv":
                 return uniform_conv_step(u, self.weight, self.kernel_size, self.stride, squash), None
             return self._grid(uniform_step(self.group_children(u), self.weight, squash), u), None
-        parents, coefficients = dynamic_routing(self.group_children(u), self.weight, iterations,
-                                                        keep_coefficients)  # fmt: skip
+        parents, coefficients = dynamic_routing(self.group_children(u), self.weight, iterations, keep_coefficients)
         return self._grid(parents, u), coefficients
 
     def class_logits(self, parents: Tensor) -> Tensor:

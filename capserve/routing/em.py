@@ -106,8 +106,9 @@ def coordinate_offsets(side: int, types: int, pose_dim: int) -> Tensor:
     return offsets.reshape(side * side * types, pose_dim)  # (N, D)
 
 
-def em_m_step(assignments: Tensor, activations: Tensor, votes: Tensor, beta_v: Tensor, beta_a: Tensor,
-              inverse_temperature: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+def em_m_step(
+    assignments: Tensor, activations: Tensor, votes: Tensor, beta_v: Tensor, beta_a: Tensor, inverse_temperature: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The M-step: each parent's Gaussian fitted to the votes, weighted by assignment and child activation.
 
     Args:
@@ -149,8 +150,9 @@ def em_e_step(deviations: Tensor, variance: Tensor, logits: Tensor) -> Tensor:
     return torch.softmax(F.logsigmoid(logits).unsqueeze(-1) + log_p, dim=1)  # (n, J, N): over parents
 
 
-def em_routing(votes: Tensor, activations: Tensor, beta_v: Tensor, beta_a: Tensor,
-               iterations: int) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def em_routing(
+    votes: Tensor, activations: Tensor, beta_v: Tensor, beta_a: Tensor, iterations: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """T iterations of EM between N children and J parents, for n independent rows.
 
     Args:
@@ -169,9 +171,15 @@ def em_routing(votes: Tensor, activations: Tensor, beta_v: Tensor, beta_a: Tenso
     return mean, logits, assignments
 
 
-def em_route(children: Tensor, weight: Tensor, beta_v: Tensor, beta_a: Tensor, iterations: int,
-             offsets: Tensor | None = None, keep_coefficients: bool = False
-             ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def em_route(
+    children: Tensor,
+    weight: Tensor,
+    beta_v: Tensor,
+    beta_a: Tensor,
+    iterations: int,
+    offsets: Tensor | None = None,
+    keep_coefficients: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """A capsule layer's EM routing, a block of (batch × position) rows at a time.
 
     Args:
@@ -224,8 +232,16 @@ class EMPrimaryCapsules(nn.Module):
         features (B, C, H, W) → capsules (B, H', W', I, D + 1).
     """
 
-    def __init__(self, in_channels: int, types: int, pose_dim: int, kernel: int, stride: int, padding: int,
-                 layer_norm: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        in_channels: int,
+        types: int,
+        pose_dim: int,
+        kernel: int,
+        stride: int,
+        padding: int,
+        layer_norm: bool = False,
+    ):
         super().__init__()
         if layer_norm:
             raise ValueError("EM capsules take no LayerNorm: set layer_norm=False")
@@ -261,8 +277,16 @@ class EMCapsuleLayer(nn.Module):
         children: (B, H, W, I, D + 1) or (B, I, D + 1); parents: (B, h, w, J, D + 1) (conv) or (B, J, D + 1) (fc).
     """
 
-    def __init__(self, config: CapsuleLayerConfig, in_types: int, in_size: int, pose: str, pose_dim: int,
-                 layer_norm: bool = False, activations: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        config: CapsuleLayerConfig,
+        in_types: int,
+        in_size: int,
+        pose: str,
+        pose_dim: int,
+        layer_norm: bool = False,
+        activations: bool = False,
+    ):
         super().__init__()
         if pose != "matrix" or layer_norm or activations:
             raise ValueError("EM capsule layers need matrix poses, layer_norm=False and activations=False")

@@ -98,8 +98,12 @@ def _fused(u: Tensor, w: Tensor, q: Tensor) -> Tensor | None:
             out = kernel(u, w, q)
         except Exception as e:  # torch.compile raises its backends' own types (no C++ compiler, unsupported platform)
             reason = (str(e).strip().splitlines() or [""])[0]
-            log.warning("attention routing runs without its fused kernel: torch.compile failed here (%s: %s); set "
-                        "CAPSERVE_FUSED_ROUTING=0 to skip the attempt", type(e).__name__, reason)  # fmt: skip
+            log.warning(
+                "attention routing runs without its fused kernel: torch.compile failed here (%s: %s); set "
+                "CAPSERVE_FUSED_ROUTING=0 to skip the attempt",
+                type(e).__name__,
+                reason,
+            )
             _FUSED_STATE["failed"] = True
             return None
         _FUSED_KERNELS[key] = kernel
@@ -109,9 +113,15 @@ def _fused(u: Tensor, w: Tensor, q: Tensor) -> Tensor | None:
 def fusable(children: Tensor, weight: Tensor, votes: int) -> bool:
     """Whether a plain-inference step goes through ``fused_block`` (see ``FUSED_MIN_VOTES``)."""
     _, J, X, _ = weight.shape
-    return (votes >= FUSED_MIN_VOTES and J >= FUSED_MIN_PARENTS and X <= FUSED_MAX_ROW
-            and children.device.type == "cpu" and children.dtype in (torch.float32, torch.float64)
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())  # fmt: skip
+    return (
+        votes >= FUSED_MIN_VOTES
+        and J >= FUSED_MIN_PARENTS
+        and X <= FUSED_MAX_ROW
+        and children.device.type == "cpu"
+        and children.dtype in (torch.float32, torch.float64)
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+    )
 
 
 def fused_rows(u: Tensor, w: Tensor, q: Tensor, coefficient_bytes: int) -> tuple[list[Tensor], int]:

@@ -49,6 +49,8 @@ class Runtime(ABC):
         if batch.dtype != np.float32:
             raise InputError(f"expected float32 images, got {batch.dtype}; normalise with capserve.data.preprocess")
         if batch.ndim != 4 or batch.shape[1:] != self.metadata.input_shape or batch.shape[0] < 1:
-            raise InputError(f"expected a batch of shape (B, {', '.join(map(str, self.metadata.input_shape))}) "
-                             f"with B >= 1, got {batch.shape}")  # fmt: skip
+            raise InputError(
+                f"expected a batch of shape (B, {', '.join(map(str, self.metadata.input_shape))}) "
+                f"with B >= 1, got {batch.shape}"
+            )
         return np.ascontiguousarray(batch)

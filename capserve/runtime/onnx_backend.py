@@ -126,20 +126,32 @@ class OnnxRuntime(Runtime):
 
     backend = "onnxruntime"
 
-    def __init__(self, path: str | Path, device: str = "cpu", providers: list[Provider] | None = None,
-                 graph_optimization: str = "all", threads: int = 0, memory_arena: bool = True,
-                 memory_budget_mb: float | None = MEMORY_BUDGET_MB, spinning: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        path: str | Path,
+        device: str = "cpu",
+        providers: list[Provider] | None = None,
+        graph_optimization: str = "all",
+        threads: int = 0,
+        memory_arena: bool = True,
+        memory_budget_mb: float | None = MEMORY_BUDGET_MB,
+        spinning: bool = False,
+    ):
         try:
             import onnxruntime as ort
         except ImportError as e:
-            raise RuntimeLoadError("onnxruntime is not installed: pip install 'capserve[export]' "
-                                   "(or 'capserve[gpu]' for onnxruntime-gpu on NVIDIA machines)") from e  # fmt: skip
+            raise RuntimeLoadError(
+                "onnxruntime is not installed: pip install 'capserve[export]' "
+                "(or 'capserve[gpu]' for onnxruntime-gpu on NVIDIA machines)"
+            ) from e
         if len(installed_onnxruntimes()) > 1:
-            raise RuntimeLoadError("both onnxruntime and onnxruntime-gpu are installed: they install one module, "
-                                   "and mixed they leave no working CUDA provider. GPU machines: `pip uninstall -y "
-                                   "onnxruntime onnxruntime-gpu && pip install 'capserve[gpu]'`; CPU machines: "
-                                   "`pip uninstall -y onnxruntime-gpu onnxruntime && pip install "
-                                   "'capserve[serve]'`")  # fmt: skip
+            raise RuntimeLoadError(
+                "both onnxruntime and onnxruntime-gpu are installed: they install one module, "
+                "and mixed they leave no working CUDA provider. GPU machines: `pip uninstall -y "
+                "onnxruntime onnxruntime-gpu && pip install 'capserve[gpu]'`; CPU machines: "
+                "`pip uninstall -y onnxruntime-gpu onnxruntime && pip install "
+                "'capserve[serve]'`"
+            )
         if graph_optimization not in OPTIMIZATION_LEVELS:
             raise ValueError(f"graph_optimization must be one of {OPTIMIZATION_LEVELS}, got {graph_optimization!r}")
         self.path = Path(path)
@@ -165,8 +177,10 @@ class OnnxRuntime(Runtime):
                 warnings.filterwarnings("ignore", message="Specified provider", category=UserWarning)
                 self.session = ort.InferenceSession(str(self.path), options, providers=requested)
         except Exception as e:  # onnxruntime raises its own pybind exception types
-            raise RuntimeLoadError(f"{self.path} is not a loadable ONNX model ({type(e).__name__}: {e}); "
-                                   "is it truncated? Re-export it with `capserve export onnx`") from e  # fmt: skip
+            raise RuntimeLoadError(
+                f"{self.path} is not a loadable ONNX model ({type(e).__name__}: {e}); "
+                "is it truncated? Re-export it with `capserve export onnx`"
+            ) from e
         active = self.session.get_providers()
         if _name(requested[0]) not in active:
             raise RuntimeLoadError(
@@ -186,8 +200,10 @@ class OnnxRuntime(Runtime):
             )
         self.input_name = inputs[0].name
         if inputs[0].type != "tensor(float)" or list(inputs[0].shape[1:]) != list(self.metadata.input_shape):
-            raise RuntimeLoadError(f"{self.path}: input {inputs[0].type} {inputs[0].shape} does not match its "
-                                   f"metadata's float (B, {self.metadata.input_shape}); re-export it")  # fmt: skip
+            raise RuntimeLoadError(
+                f"{self.path}: input {inputs[0].type} {inputs[0].shape} does not match its "
+                f"metadata's float (B, {self.metadata.input_shape}); re-export it"
+            )
         self.explainable = PART_WHOLE in outputs
         self.chunk_size = self._chunk_size(memory_budget_mb)
 
@@ -199,14 +215,17 @@ class OnnxRuntime(Runtime):
             try:
                 return ModelConfig.from_dict(json.loads(props[CONFIG_KEY]))
             except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
-                raise RuntimeLoadError(f"{self.path}: {CONFIG_KEY!r} is not a valid model config ({e}); "
-                                       "re-export it with `capserve export onnx`") from e  # fmt: skip
+                raise RuntimeLoadError(
+                    f"{self.path}: {CONFIG_KEY!r} is not a valid model config ({e}); "
+                    "re-export it with `capserve export onnx`"
+                ) from e
         m = self.metadata
         if m.name not in MODELS:
             return None
         try:
-            return dataclasses.replace(MODELS[m.name], labels=m.labels, in_channels=m.in_channels,
-                                       image_size=m.image_size)  # fmt: skip
+            return dataclasses.replace(
+                MODELS[m.name], labels=m.labels, in_channels=m.in_channels, image_size=m.image_size
+            )
         except ValueError:
             return None
 
@@ -251,7 +270,8 @@ class OnnxRuntime(Runtime):
         if not self.explainable:
             if self.metadata.iterations is None:
                 raise NotImplementedError(f"{self.path} is a CNN without routing: there is nothing to explain")
-            raise NotImplementedError(f"{self.path} has no {PART_WHOLE!r} output: export it with "
-                                      "`capserve export onnx --explain`")  # fmt: skip
+            raise NotImplementedError(
+                f"{self.path} has no {PART_WHOLE!r} output: export it with `capserve export onnx --explain`"
+            )
         logits, parse = self._run([LOGITS, PART_WHOLE], self.check_batch(batch))
         return Explanation(logits, parse)

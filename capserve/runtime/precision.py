@@ -96,13 +96,17 @@ def resolve_precision(requested: str, backend: str, device: str = "cpu") -> tupl
     on_cpu = device == "cpu"
     if requested == "bf16":
         if backend not in BF16_BACKENDS:
-            raise PrecisionError(f"bf16 needs the torch backend; the {backend} backend serves the precision of "
-                                 "its exported graph. Use backend torch, or precision fp32/auto")  # fmt: skip
+            raise PrecisionError(
+                f"bf16 needs the torch backend; the {backend} backend serves the precision of "
+                "its exported graph. Use backend torch, or precision fp32/auto"
+            )
         if on_cpu:
             support = native_bf16()
             if not support.native:
-                log.warning("bf16 requested on a CPU without native bf16 (%s): emulated, likely slower than fp32",
-                            support.reason)  # fmt: skip
+                log.warning(
+                    "bf16 requested on a CPU without native bf16 (%s): emulated, likely slower than fp32",
+                    support.reason,
+                )
                 return "bf16", f"requested; emulated: {support.reason}"
             return "bf16", f"requested; {support.reason}"
         return "bf16", "requested"
@@ -157,22 +161,27 @@ class AgreementReport:
         return self.agreement >= self.bound
 
     def __str__(self) -> str:
-        return (f"{self.candidate} vs fp32 {self.measure} agreement {self.agreement:.4f} on {self.images} "
-                f"{self.sample} (bound {self.bound:g}), max |Δlogit| {self.max_abs_logit:.3g}")  # fmt: skip
+        return (
+            f"{self.candidate} vs fp32 {self.measure} agreement {self.agreement:.4f} on {self.images} "
+            f"{self.sample} (bound {self.bound:g}), max |Δlogit| {self.max_abs_logit:.3g}"
+        )
 
 
-def compare_precisions(reference: Runtime, candidate: Runtime, images: np.ndarray, bound: float = MIN_AGREEMENT,
-                       batch_size: int = 64) -> AgreementReport:  # fmt: skip
+def compare_precisions(
+    reference: Runtime, candidate: Runtime, images: np.ndarray, bound: float = MIN_AGREEMENT, batch_size: int = 64
+) -> AgreementReport:
     """Agreement of ``candidate`` (e.g. bf16) with ``reference`` (fp32) on normalised ``images`` (N, C, H, W)."""
     chunks = range(0, len(images), batch_size)
     ref = np.concatenate([reference.predict(images[i : i + batch_size]) for i in chunks])  # (N, C)
     out = np.concatenate([candidate.predict(images[i : i + batch_size]) for i in chunks])  # (N, C)
     meta = reference.metadata
     return AgreementReport(
-        agreement=agreement(ref, out, meta), images=len(images), bound=bound,
+        agreement=agreement(ref, out, meta),
+        images=len(images),
+        bound=bound,
         measure="label set" if meta.task == "multi_label" else "top-1",
         max_abs_logit=float(np.abs(out.astype(np.float64) - ref).max()),
-    )  # fmt: skip
+    )
 
 
 def check_bf16(runtime: Runtime, bound: float = MIN_AGREEMENT, count: int = SAMPLE_SIZE) -> AgreementReport:
@@ -191,8 +200,13 @@ class PrecisionChoice:
     check: AgreementReport | None = None  # the bf16 start-up check, when one ran
 
 
-def open_torch(path: str | Path, device: str = "cpu", iterations: int | None = None, requested: str = "auto",
-               bound: float = MIN_AGREEMENT) -> tuple[Runtime, PrecisionChoice]:  # fmt: skip
+def open_torch(
+    path: str | Path,
+    device: str = "cpu",
+    iterations: int | None = None,
+    requested: str = "auto",
+    bound: float = MIN_AGREEMENT,
+) -> tuple[Runtime, PrecisionChoice]:
     """A torch runtime for a model directory at the requested precision, bf16 checked against fp32 first.
 
     bf16 whose decisions agree with fp32 on the fixed sample less than ``bound`` falls back to fp32 (logged).

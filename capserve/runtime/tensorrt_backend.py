@@ -75,8 +75,10 @@ class EngineSidecar:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_batch <= self.opt_batch <= self.max_batch:
-            raise ValueError(f"batch sizes need 1 <= min <= opt <= max, got min {self.min_batch}, "
-                             f"opt {self.opt_batch}, max {self.max_batch}")  # fmt: skip
+            raise ValueError(
+                f"batch sizes need 1 <= min <= opt <= max, got min {self.min_batch}, "
+                f"opt {self.opt_batch}, max {self.max_batch}"
+            )
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
@@ -88,8 +90,10 @@ class EngineSidecar:
         """Parse a sidecar file, accepting only known keys."""
         path = Path(path)
         if not path.is_file():
-            raise RuntimeLoadError(f"{path} not found: an engine needs the JSON sidecar that `capserve export "
-                                   "tensorrt` writes next to it (TensorRT version, GPU, model metadata)")  # fmt: skip
+            raise RuntimeLoadError(
+                f"{path} not found: an engine needs the JSON sidecar that `capserve export "
+                "tensorrt` writes next to it (TensorRT version, GPU, model metadata)"
+            )
         try:
             data = json.loads(path.read_text())
             if not isinstance(data, dict):
@@ -104,22 +108,28 @@ class EngineSidecar:
             data["outputs"] = tuple(data["outputs"])
             return cls(**data)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise RuntimeLoadError(f"{path} is not a valid engine sidecar ({e}); rebuild the engine with "
-                                   "`capserve export tensorrt`") from e  # fmt: skip
+            raise RuntimeLoadError(
+                f"{path} is not a valid engine sidecar ({e}); rebuild the engine with `capserve export tensorrt`"
+            ) from e
 
     def check(self, engine: Path, engine_bytes: bytes, tensorrt_version: str, gpu: str) -> None:
         """Refuse an engine that was built elsewhere or does not belong to this sidecar."""
         rebuild = f"rebuild it here with `capserve export tensorrt MODEL.onnx -o {engine}`"
         if sha256_bytes(engine_bytes) != self.engine_sha256:
-            raise RuntimeLoadError(f"{engine} does not match its sidecar's engine_sha256 (changed or truncated "
-                                   f"after the build); {rebuild}")  # fmt: skip
+            raise RuntimeLoadError(
+                f"{engine} does not match its sidecar's engine_sha256 (changed or truncated after the build); {rebuild}"
+            )
         if tensorrt_version != self.tensorrt_version:
-            raise RuntimeLoadError(f"{engine} was built with TensorRT {self.tensorrt_version} but TensorRT "
-                                   f"{tensorrt_version} is installed; engines only load in the version that "
-                                   f"built them: {rebuild}")  # fmt: skip
+            raise RuntimeLoadError(
+                f"{engine} was built with TensorRT {self.tensorrt_version} but TensorRT "
+                f"{tensorrt_version} is installed; engines only load in the version that "
+                f"built them: {rebuild}"
+            )
         if gpu != self.gpu_name:
-            raise RuntimeLoadError(f"{engine} was built for {self.gpu_name!r} but this GPU is {gpu!r}; engines "
-                                   f"are tuned to one GPU model: {rebuild}")  # fmt: skip
+            raise RuntimeLoadError(
+                f"{engine} was built for {self.gpu_name!r} but this GPU is {gpu!r}; engines "
+                f"are tuned to one GPU model: {rebuild}"
+            )
 
     def check_batch_size(self, batch: int) -> None:
         if not self.min_batch <= batch <= self.max_batch:
@@ -209,8 +219,10 @@ class TensorRTRuntime(Runtime):
         self._inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self._outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
         if self._inputs != [self.sidecar.input_name] or LOGITS not in self._outputs:
-            raise RuntimeLoadError(f"{self.path} has inputs {self._inputs} and outputs {self._outputs}; its sidecar "
-                                   f"says {self.sidecar.input_name!r} → {list(self.sidecar.outputs)}")  # fmt: skip
+            raise RuntimeLoadError(
+                f"{self.path} has inputs {self._inputs} and outputs {self._outputs}; its sidecar "
+                f"says {self.sidecar.input_name!r} → {list(self.sidecar.outputs)}"
+            )
         self._dtypes = {n: _torch_dtype(trt, self.engine.get_tensor_dtype(n)) for n in names}
         self.context = self.engine.create_execution_context()
         self._lock = threading.Lock()
@@ -245,8 +257,10 @@ class TensorRTRuntime(Runtime):
 
     def explain(self, batch: np.ndarray) -> Explanation:
         if PART_WHOLE not in self._outputs:
-            raise NotImplementedError(f"{self.path} has no {PART_WHOLE!r} output: build it from an ONNX file "
-                                      "exported with `capserve export onnx --explain`")  # fmt: skip
+            raise NotImplementedError(
+                f"{self.path} has no {PART_WHOLE!r} output: build it from an ONNX file "
+                "exported with `capserve export onnx --explain`"
+            )
         logits, parse = self._run(self.check_batch(batch), [LOGITS, PART_WHOLE])
         return Explanation(logits, parse)
 

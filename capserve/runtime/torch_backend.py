@@ -44,18 +44,22 @@ class TorchRuntime(Runtime):
         if self.device.type == "cuda" and not torch.cuda.is_available():
             # a CPU wheel raises AssertionError("Torch not compiled with CUDA enabled") on the first CUDA call
             why = "is a CPU build" if torch.version.cuda is None else "sees no CUDA GPU"
-            raise RuntimeLoadError(f"device {device!r} asked for, but this torch ({torch.__version__}) {why}: install "
-                                   "a CUDA build of torch, or use the onnxruntime backend (onnxruntime-gpu) or the "
-                                   "cpu device")  # fmt: skip
+            raise RuntimeLoadError(
+                f"device {device!r} asked for, but this torch ({torch.__version__}) {why}: install "
+                "a CUDA build of torch, or use the onnxruntime backend (onnxruntime-gpu) or the "
+                "cpu device"
+            )
         try:
             self.model = capserve.load(path, self.device)
         except (CheckpointError, RuntimeError) as e:
             raise RuntimeLoadError(str(e)) from e
         self.iterations = self.model._iterations(iterations)
         self.metadata = ModelMetadata.from_config(
-            self.model.config, self.iterations, capserve_version=capserve.__version__,
+            self.model.config,
+            self.iterations,
+            capserve_version=capserve.__version__,
             weights_sha256=file_sha256(Path(path) / WEIGHTS),
-        )  # fmt: skip
+        )
 
     @property
     def providers(self) -> list[str]:

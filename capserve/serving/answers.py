@@ -10,8 +10,9 @@ from capserve.runtime.outputs import labels_passed, sigmoid, softmax, thresholds
 from capserve.serving.schemas import Classification, Label, MultiLabel
 
 
-def top_labels(probabilities: np.ndarray, labels: tuple[str, ...], k: int, passed: np.ndarray | None = None
-               ) -> list[Label]:  # fmt: skip
+def top_labels(
+    probabilities: np.ndarray, labels: tuple[str, ...], k: int, passed: np.ndarray | None = None
+) -> list[Label]:
     """The ``k`` most probable labels (of those ``passed``, a boolean mask, when given), most probable first."""
     order = np.argsort(-probabilities, kind="stable")
     if passed is not None:
@@ -21,8 +22,10 @@ def top_labels(probabilities: np.ndarray, labels: tuple[str, ...], k: int, passe
 
 def classifications(logits: np.ndarray, meta: ModelMetadata, top_k: int) -> list[Classification]:
     """Single-label answers for logits (B, C): the ``top_k`` labels by softmax probability, most probable first."""
-    return [Classification(model=meta.name, iterations=meta.iterations, predictions=top_labels(p, meta.labels, top_k))
-            for p in softmax(logits)]  # fmt: skip
+    return [
+        Classification(model=meta.name, iterations=meta.iterations, predictions=top_labels(p, meta.labels, top_k))
+        for p in softmax(logits)
+    ]
 
 
 def multilabel_answers(logits: np.ndarray, meta: ModelMetadata, threshold: float | None) -> list[MultiLabel]:
@@ -34,10 +37,14 @@ def multilabel_answers(logits: np.ndarray, meta: ModelMetadata, threshold: float
         thresholds = thresholds_or_default(meta.thresholds, len(meta.labels))
     answers = []
     for p in sigmoid(logits):  # (C,) per image
-        answers.append(MultiLabel(
-            model=meta.name, iterations=meta.iterations, threshold=threshold,
-            labels=top_labels(p, meta.labels, len(meta.labels), labels_passed(p, thresholds)),
-            probabilities={name: float(v) for name, v in zip(meta.labels, p, strict=True)},
-            thresholds={name: float(t) for name, t in zip(meta.labels, thresholds, strict=True)},
-        ))  # fmt: skip
+        answers.append(
+            MultiLabel(
+                model=meta.name,
+                iterations=meta.iterations,
+                threshold=threshold,
+                labels=top_labels(p, meta.labels, len(meta.labels), labels_passed(p, thresholds)),
+                probabilities={name: float(v) for name, v in zip(meta.labels, p, strict=True)},
+                thresholds={name: float(t) for name, t in zip(meta.labels, thresholds, strict=True)},
+            )
+        )
     return answers

@@ -73,8 +73,9 @@ def http_error(error: RequestError) -> Exception:
     if known is not None:
         known["message"] = str(error)
     if error.status not in _HTTP_ERRORS:
-        _HTTP_ERRORS[error.status] = type(f"HTTP{error.status}", (BentoMLException,),
-                                          {"error_code": HTTPStatus(error.status)})  # fmt: skip
+        _HTTP_ERRORS[error.status] = type(
+            f"HTTP{error.status}", (BentoMLException,), {"error_code": HTTPStatus(error.status)}
+        )
     return _HTTP_ERRORS[error.status](str(error))
 
 
@@ -119,12 +120,15 @@ class Capsules:
             self.multilabel_source: ModelSource | None = None
             if settings.multilabel_model.lower() != "none":
                 # no explanation graph: /explain serves the single-label model only
-                self.multilabel_runtime, _, self.multilabel_source = open_model(settings.multilabel_model, settings,
-                                                                                explain=False)  # fmt: skip
+                self.multilabel_runtime, _, self.multilabel_source = open_model(
+                    settings.multilabel_model, settings, explain=False
+                )
                 if self.multilabel_runtime.metadata.task != "multi_label":
-                    raise ConfigurationError(f"CAPSERVE_MULTILABEL_MODEL={settings.multilabel_model} is a "
-                                             f"{self.multilabel_runtime.metadata.task} model; give a multi_label "
-                                             "one or 'none'")  # fmt: skip
+                    raise ConfigurationError(
+                        f"CAPSERVE_MULTILABEL_MODEL={settings.multilabel_model} is a "
+                        f"{self.multilabel_runtime.metadata.task} model; give a multi_label "
+                        "one or 'none'"
+                    )
             self.batching = settings.max_batch_size > 1
             self._batchers: dict[bool, Any] = {}  # multilabel → batched predict
             self._dispatchers: dict[bool, Any] = {}  # multilabel → BentoML's CorkDispatcher behind it
@@ -148,11 +152,15 @@ class Capsules:
                 if runtime is not None:
                     INPUT_SHAPES[route] = tuple(runtime.metadata.input_shape)  # (C, H, W): RequestGuard checks it
             if settings.api_keys:
-                log.info("API keys: %d; every route but /livez, /readyz and /metrics needs 'Authorization: Bearer "
-                         "KEY'", len(settings.api_keys))  # fmt: skip
+                log.info(
+                    "API keys: %d; every route but /livez, /readyz and /metrics needs 'Authorization: Bearer KEY'",
+                    len(settings.api_keys),
+                )
             else:
-                log.warning("CAPSERVE_API_KEYS is not set: this server is open, every route answers anyone who can "
-                            "reach its port")  # fmt: skip
+                log.warning(
+                    "CAPSERVE_API_KEYS is not set: this server is open, every route answers anyone who can "
+                    "reach its port"
+                )
         except Exception as e:  # any failed start stops the server (exit 3); unexpected ones with their traceback
             log.critical("capserve cannot start: %s", e, exc_info=not isinstance(e, ConfigurationError))
             if report_failed_start() and isinstance(e, ConfigurationError):
@@ -173,8 +181,10 @@ class Capsules:
                 zeros = normalize_images(np.zeros((1, *runtime.metadata.input_shape), np.uint8), runtime.metadata)
                 logits = runtime.predict(zeros)
                 if logits.shape != (1, len(runtime.metadata.labels)) or not np.isfinite(logits).all():
-                    raise ConfigurationError(f"warm-up inference of {runtime.metadata.name} gave {logits.shape} "
-                                             "logits with non-finite values or the wrong shape")  # fmt: skip
+                    raise ConfigurationError(
+                        f"warm-up inference of {runtime.metadata.name} gave {logits.shape} "
+                        "logits with non-finite values or the wrong shape"
+                    )
                 if runtime is self.explainer:
                     runtime.explain(zeros)
             for runtime in self._batch_runtimes.values():
@@ -186,9 +196,15 @@ class Capsules:
         except (InputError, NotImplementedError, RuntimeError, AssertionError) as e:
             raise ConfigurationError(f"warm-up inference failed: {e}") from e
         self.ready = True
-        log.info("capserve ready: %s (%s %s on %s, providers %s), batching %s", self.runtime.metadata.name,
-                 self.settings.backend, self.runtime.precision, self.settings.device, self.runtime.providers,
-                 f"up to {self.settings.max_batch_size}" if self.batching else "off")  # fmt: skip
+        log.info(
+            "capserve ready: %s (%s %s on %s, providers %s), batching %s",
+            self.runtime.metadata.name,
+            self.settings.backend,
+            self.runtime.precision,
+            self.settings.device,
+            self.runtime.providers,
+            f"up to {self.settings.max_batch_size}" if self.batching else "off",
+        )
 
     def fail(self, status: int, message: str) -> Exception:
         return self.error(RequestError(status, message))
@@ -296,19 +312,33 @@ class Capsules:
             if time.monotonic() - shed["logged"] >= SHED_LOG_SECONDS:  # one line per interval, not per request
                 shed["logged"] = time.monotonic()
                 optimizer = dispatcher.optimizer  # its fit of batch time = a · images + b, from recent batches
-                log.warning("/%s: adaptive batching has shed %d request(s) with a 503 so far: its estimate of "
-                            "their wait reached CAPSERVE_MAX_LATENCY_MS=%d ms (%d more queued; batch time "
-                            "estimated as %.2f ms per image + %.1f ms)", endpoint, shed["requests"],
-                            settings.max_latency_ms, len(getattr(dispatcher, "_queue", ())), 1e3 * optimizer.o_a,
-                            1e3 * optimizer.o_b)  # fmt: skip
-            raise self.fail(503, f"the server is overloaded: adaptive batching expects this request to wait over "
-                                 f"{settings.max_latency_ms} ms (CAPSERVE_MAX_LATENCY_MS); retry later")  # fmt: skip
+                log.warning(
+                    "/%s: adaptive batching has shed %d request(s) with a 503 so far: its estimate of "
+                    "their wait reached CAPSERVE_MAX_LATENCY_MS=%d ms (%d more queued; batch time "
+                    "estimated as %.2f ms per image + %.1f ms)",
+                    endpoint,
+                    shed["requests"],
+                    settings.max_latency_ms,
+                    len(getattr(dispatcher, "_queue", ())),
+                    1e3 * optimizer.o_a,
+                    1e3 * optimizer.o_b,
+                )
+            raise self.fail(
+                503,
+                f"the server is overloaded: adaptive batching expects this request to wait over "
+                f"{settings.max_latency_ms} ms (CAPSERVE_MAX_LATENCY_MS); retry later",
+            )
 
         batch_runtime = self._batch_runtimes.get(multilabel, runtime)
         in_flight = self.batches_in_flight(multilabel)
-        dispatcher = CorkDispatcher(max_latency_in_ms=settings.max_latency_ms, max_batch_size=settings.max_batch_size,
-                                    fallback=overloaded, get_batch_size=len, batch_dim=(0, 0),
-                                    shared_sema=NonBlockSema(in_flight))  # fmt: skip
+        dispatcher = CorkDispatcher(
+            max_latency_in_ms=settings.max_latency_ms,
+            max_batch_size=settings.max_batch_size,
+            fallback=overloaded,
+            get_batch_size=len,
+            batch_dim=(0, 0),
+            shared_sema=NonBlockSema(in_flight),
+        )
         # its own least-squares fit of batch times turns one slow batch into seconds per image (refit_batch_times)
         dispatcher.optimizer.trigger_refresh = functools.partial(refit_batch_times, dispatcher.optimizer)
         self._dispatchers[multilabel] = dispatcher
@@ -345,8 +375,9 @@ class Capsules:
         if not files:
             raise self.fail(400, "send at least one image in the multipart field 'images'")
         if len(files) > settings.max_images:
-            raise self.fail(413, f"{len(files)} images in one request; the limit is {settings.max_images} "
-                                 "(CAPSERVE_MAX_IMAGES)")  # fmt: skip
+            raise self.fail(
+                413, f"{len(files)} images in one request; the limit is {settings.max_images} (CAPSERVE_MAX_IMAGES)"
+            )
         self.check_top_k(top_k)
 
         def run() -> np.ndarray:
@@ -365,13 +396,19 @@ class Capsules:
     async def explain(self, image: Upload, capsules: int) -> Explained:
         explainer = self.explainer
         if not has_routing(self.runtime):
-            raise self.fail(501, f"{self.runtime.metadata.name} is a CNN without routing: there is no part-whole "
-                                 "parse to explain; /explain needs a capsule network")  # fmt: skip
+            raise self.fail(
+                501,
+                f"{self.runtime.metadata.name} is a CNN without routing: there is no part-whole "
+                "parse to explain; /explain needs a capsule network",
+            )
         if explainer is None:
             model = self.source.path
-            raise self.fail(501, f"{self.settings.model} has no {EXPLAIN_ARTIFACT}: run `capserve export onnx "
-                                 f"{model} -o {model / EXPLAIN_ARTIFACT} --explain` or serve with "
-                                 "CAPSERVE_BACKEND=torch")  # fmt: skip
+            raise self.fail(
+                501,
+                f"{self.settings.model} has no {EXPLAIN_ARTIFACT}: run `capserve export onnx "
+                f"{model} -o {model / EXPLAIN_ARTIFACT} --explain` or serve with "
+                "CAPSERVE_BACKEND=torch",
+            )
         meta = explainer.metadata
         pixels = await self.run(decode, image, explainer, self.settings.max_pixels)
 
@@ -387,16 +424,28 @@ class Capsules:
         routing = explanation.part_whole[0, c]  # (H, W, I)
         _, W, I = routing.shape
         order = np.argsort(-routing.reshape(-1), kind="stable")[: min(capsules, routing.size)]
-        top = [Capsule(type=int(k % I), row=int(k // (W * I)), col=int(k // I % W),
-                       routing_probability=float(routing.flat[k]), vs_uniform=float(routing.flat[k] * C))
-               for k in order]  # fmt: skip
+        top = [
+            Capsule(
+                type=int(k % I),
+                row=int(k // (W * I)),
+                col=int(k // I % W),
+                routing_probability=float(routing.flat[k]),
+                vs_uniform=float(routing.flat[k] * C),
+            )
+            for k in order
+        ]
         grid = routing.mean(axis=-1)  # (H, W)
         png = await self.run(heatmap_png, pixels, vs_uniform(grid, C))
         return Explained(
-            model=meta.name, iterations=meta.iterations, prediction=top_labels(probabilities, meta.labels, 1)[0],
-            uniform=1.0 / C, selectivity=selectivity(explanation.part_whole[0]), grid=grid.tolist(), capsules=top,
+            model=meta.name,
+            iterations=meta.iterations,
+            prediction=top_labels(probabilities, meta.labels, 1)[0],
+            uniform=1.0 / C,
+            selectivity=selectivity(explanation.part_whole[0]),
+            grid=grid.tolist(),
+            capsules=top,
             heatmap_png=base64.b64encode(png).decode(),
-        )  # fmt: skip
+        )
 
     def describe(self) -> dict[str, Any]:
         """GET /model: the served models (with their store tags), batching, limits, versions."""
@@ -405,10 +454,15 @@ class Capsules:
             if runtime is None:
                 return None
             # the model-store tag but not the folder it came from: a caller has no business with the host's paths
-            return {**asdict(runtime.metadata), "input_shape": list(runtime.metadata.input_shape),
-                    "backend": runtime.backend, "providers": list(runtime.providers), "precision": runtime.precision,
-                    "precision_reason": runtime.precision_reason,
-                    "tag": source.tag if source else None}  # fmt: skip
+            return {
+                **asdict(runtime.metadata),
+                "input_shape": list(runtime.metadata.input_shape),
+                "backend": runtime.backend,
+                "providers": list(runtime.providers),
+                "precision": runtime.precision,
+                "precision_reason": runtime.precision_reason,
+                "tag": source.tag if source else None,
+            }
 
         import bentoml
 

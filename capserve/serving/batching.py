@@ -55,8 +55,7 @@ def batch_runtime(runtime: Runtime, settings: Settings) -> Runtime:
     if runtime.backend != "onnxruntime" or settings.device != "cpu":
         return runtime
     threads = settings.threads or available_cores()
-    return load_runtime(runtime.path, "onnxruntime", settings.device,
-                        threads=max(1, threads // batches_for(threads)))  # fmt: skip
+    return load_runtime(runtime.path, "onnxruntime", settings.device, threads=max(1, threads // batches_for(threads)))
 
 
 def borrowing_runtime(runtime: Runtime, settings: Settings, worker: Worker) -> Runtime | None:
@@ -99,8 +98,12 @@ def batch_size_histogram() -> Any:
     if not _BATCH_SIZE:
         import bentoml
 
-        _BATCH_SIZE.append(bentoml.metrics.Histogram(
-            name="capserve_batch_size", documentation="images per adaptive batch run for single-image requests",
-            labelnames=["endpoint"], buckets=(1, 2, 4, 8, 16, 32, 64, 128),
-        ))  # fmt: skip
+        _BATCH_SIZE.append(
+            bentoml.metrics.Histogram(
+                name="capserve_batch_size",
+                documentation="images per adaptive batch run for single-image requests",
+                labelnames=["endpoint"],
+                buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            )
+        )
     return _BATCH_SIZE[0]

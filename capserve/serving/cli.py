@@ -19,11 +19,18 @@ SERVICE = "capserve.serving.service:CapsuleService"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="the single-label model: a folder (config.json, model.onnx), an exported "
-                   ".onnx file, or NAME[:VERSION] in BentoML's model store (default: $CAPSERVE_MODEL, else "
-                   "models/cifar10)")  # fmt: skip
-    p.add_argument("--multilabel-model", help="the multi-label model for /multilabel, given like MODEL (default: "
-                   "$CAPSERVE_MULTILABEL_MODEL; none when MODEL is given, else models/multimnist)")  # fmt: skip
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="the single-label model: a folder (config.json, model.onnx), an exported "
+        ".onnx file, or NAME[:VERSION] in BentoML's model store (default: $CAPSERVE_MODEL, else "
+        "models/cifar10)",
+    )
+    p.add_argument(
+        "--multilabel-model",
+        help="the multi-label model for /multilabel, given like MODEL (default: "
+        "$CAPSERVE_MULTILABEL_MODEL; none when MODEL is given, else models/multimnist)",
+    )
     p.add_argument("--port", type=int, default=3000, help="default 3000")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every interface)")
     p.add_argument("--dry-run", action="store_true", help="check the models and settings, print the command, exit")
@@ -56,10 +63,12 @@ def check(env: Mapping[str, str]) -> None:
         specs.append(("--multilabel-model", settings.multilabel_model))
     for what, spec in specs:
         if not resolve_model(spec).path.exists():
-            raise UsageError(f"{what} {spec!r} is not a file, a folder (working directory {os.getcwd()}) or a model "
-                             "in BentoML's model store: give a folder made by `capserve train`, an exported .onnx "
-                             "file, or a NAME[:VERSION] saved with `capserve export bentoml DIR --name NAME`"
-                             + ("; or --multilabel-model none" if what != "MODEL" else ""))  # fmt: skip
+            raise UsageError(
+                f"{what} {spec!r} is not a file, a folder (working directory {os.getcwd()}) or a model "
+                "in BentoML's model store: give a folder made by `capserve train`, an exported .onnx "
+                "file, or a NAME[:VERSION] saved with `capserve export bentoml DIR --name NAME`"
+                + ("; or --multilabel-model none" if what != "MODEL" else "")
+            )
 
 
 def command(args: argparse.Namespace) -> list[str]:

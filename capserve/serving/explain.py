@@ -7,8 +7,19 @@ import io
 import numpy as np
 
 # A diverging blue → pale → red ramp for the heat-map (no plotting library in the server): the middle is uniform.
-RAMP = np.array([[49, 54, 149], [69, 117, 180], [116, 173, 209], [224, 243, 248], [254, 224, 144],
-                 [253, 174, 97], [244, 109, 67], [215, 48, 39]], dtype=np.float32)  # fmt: skip
+RAMP = np.array(
+    [
+        [49, 54, 149],
+        [69, 117, 180],
+        [116, 173, 209],
+        [224, 243, 248],
+        [254, 224, 144],
+        [253, 174, 97],
+        [244, 109, 67],
+        [215, 48, 39],
+    ],
+    dtype=np.float32,
+)
 
 
 HEATMAP_OCTAVES = 2.0  # the colour scale spans 1/4× (blue) .. uniform (middle) .. 4× uniform (red)

@@ -45,11 +45,19 @@ class RequestGuard:
     the form a second time and writing each upload to a temporary file for a ``Path`` parameter.
     """
 
-    def __init__(self, app: Any, max_bytes: int, file_fields: Mapping[str, str], get_routes: tuple[str, ...] = (),
-                 unavailable: Mapping[str, str] | None = None, list_fields: frozenset[str] = frozenset(),
-                 parameters: Mapping[str, frozenset[str]] | None = None, api_keys: tuple[str, ...] = (),
-                 array_routes: Mapping[str, bool] = ARRAY_ROUTES,
-                 input_shapes: Mapping[str, tuple[int, ...]] = INPUT_SHAPES):  # fmt: skip
+    def __init__(
+        self,
+        app: Any,
+        max_bytes: int,
+        file_fields: Mapping[str, str],
+        get_routes: tuple[str, ...] = (),
+        unavailable: Mapping[str, str] | None = None,
+        list_fields: frozenset[str] = frozenset(),
+        parameters: Mapping[str, frozenset[str]] | None = None,
+        api_keys: tuple[str, ...] = (),
+        array_routes: Mapping[str, bool] = ARRAY_ROUTES,
+        input_shapes: Mapping[str, tuple[int, ...]] = INPUT_SHAPES,
+    ):
         self.app, self.max_bytes, self.file_fields, self.get_routes = app, max_bytes, dict(file_fields), get_routes
         self.unavailable = dict(unavailable or {})  # route → the 501 message (``unavailable_routes``)
         self.list_fields = list_fields  # file fields that take a list of images
@@ -88,8 +96,9 @@ class RequestGuard:
                 return await self._reply(send, 401, refused, [(b"www-authenticate", challenge.encode())])
         if scope["method"] == "GET" and path == "/docs.json":
             # BentoML's document, completed into the contract this guard enforces (capserve.serving.openapi)
-            document = contract_response(send, secured=bool(self.api_keys), input_shapes=self.input_shapes,
-                                         max_bytes=self.max_bytes)  # fmt: skip
+            document = contract_response(
+                send, secured=bool(self.api_keys), input_shapes=self.input_shapes, max_bytes=self.max_bytes
+            )
             return await self.app(scope, receive, document)
         if scope["method"] == "GET" and path in self.get_routes:
             # BentoML APIs answer POST only; a GET on a parameterless API is the same call with an empty JSON body
@@ -112,8 +121,9 @@ class RequestGuard:
         json_route = field is None and path in self.parameters and scope["method"] == "POST"
         if json_route and media not in ("application/json", ""):
             # BentoML would parse a multipart body without a boundary (500) or a pickle (its own 415) here
-            return await self._reply(send, 415, f"Content-Type {media!r} is not accepted by {path}; send "
-                                                "Content-Type: application/json")  # fmt: skip
+            return await self._reply(
+                send, 415, f"Content-Type {media!r} is not accepted by {path}; send Content-Type: application/json"
+            )
         if field is None and not json_route and "content-length" in headers:
             return await self.app(scope, receive, send)  # within the limit: nothing to check or rewrite
         chunks, size = [], 0
@@ -158,22 +168,38 @@ class RequestGuard:
                     return await self._reply(send, 400, str(e))
                 twice = sorted(name for name in query if name in parameters and query[name] != parameters[name])
                 if twice:
-                    return await self._reply(send, 400, f"{', '.join(twice)}: given in the form and in the query "
-                                                        "string with different values; give it once")  # fmt: skip
+                    return await self._reply(
+                        send,
+                        400,
+                        f"{', '.join(twice)}: given in the form and in the query "
+                        "string with different values; give it once",
+                    )
                 parameters = {**query, **parameters}
             elif not body:
-                return await self._reply(send, 400, f"the request body is empty; send an image as the multipart "
-                                                    f"file field {field!r} or as a raw image/* body")  # fmt: skip
+                return await self._reply(
+                    send,
+                    400,
+                    f"the request body is empty; send an image as the multipart "
+                    f"file field {field!r} or as a raw image/* body",
+                )
             else:
-                return await self._reply(send, 415, f"Content-Type {media!r} is not accepted here; send "
-                                                    f"multipart/form-data with the file field {field!r}, or a raw "
-                                                    "image/* body")  # fmt: skip
+                return await self._reply(
+                    send,
+                    415,
+                    f"Content-Type {media!r} is not accepted here; send "
+                    f"multipart/form-data with the file field {field!r}, or a raw "
+                    "image/* body",
+                )
             known = self.parameters.get(path)
             unknown = sorted(set(parameters) - known) if known is not None else []
             if unknown:
-                return await self._reply(send, 400, f"{', '.join(map(repr, unknown))}: not a parameter of "
-                                                    f"{path} (its parameters: "
-                                                    f"{', '.join(sorted(known - {field}))})")  # fmt: skip
+                return await self._reply(
+                    send,
+                    400,
+                    f"{', '.join(map(repr, unknown))}: not a parameter of "
+                    f"{path} (its parameters: "
+                    f"{', '.join(sorted(known - {field}))})",
+                )
             uploads = {f"{UPLOAD_TOKEN}{i}": image for i, image in enumerate(images)}
             _uploads.set(uploads)
             tokens = list(uploads)
@@ -215,8 +241,10 @@ class RequestGuard:
             return body, f"the request body must be a JSON object (with {', '.join(sorted(known)) or 'no fields'})"
         unknown = sorted(set(data) - known)
         if unknown:
-            return body, (f"{', '.join(map(repr, unknown))}: not a parameter of {path} (its parameters: "
-                          f"{', '.join(sorted(known)) or 'none'})")  # fmt: skip
+            return body, (
+                f"{', '.join(map(repr, unknown))}: not a parameter of {path} (its parameters: "
+                f"{', '.join(sorted(known)) or 'none'})"
+            )
         if path in self.array_routes:
             if "images" not in data:
                 return body, "the JSON object has no 'images': send uint8 pixels (B, C, H, W) as nested arrays"
@@ -272,23 +300,28 @@ class RequestGuard:
         try:
             values = form.getlist(field)
             if not values:
-                return 400, (f"the multipart body has no file field {field!r} (it has: "
-                             f"{', '.join(sorted(set(form.keys()))) or 'nothing'})")  # fmt: skip
+                return 400, (
+                    f"the multipart body has no file field {field!r} (it has: "
+                    f"{', '.join(sorted(set(form.keys()))) or 'nothing'})"
+                )
             if not all(isinstance(v, UploadFile) for v in values):
                 return 400, f"the field {field!r} must be a file upload, not text"
             for value in values:
                 part_type = (value.content_type or "").split(";")[0].strip().lower()
                 if not maybe_image(part_type):
-                    return 415, (f"the file part {field!r} is declared as {part_type!r}, not an image; send it as "
-                                 "image/* (e.g. curl -F 'image=@cat.png;type=image/png'), application/octet-stream "
-                                 "or without a Content-Type")  # fmt: skip
+                    return 415, (
+                        f"the file part {field!r} is declared as {part_type!r}, not an image; send it as "
+                        "image/* (e.g. curl -F 'image=@cat.png;type=image/png'), application/octet-stream "
+                        "or without a Content-Type"
+                    )
             images = [await value.read() for value in values]
             parameters = {}
             for name in form:
                 if name != field:
                     value = form[name]
-                    parameters[name] = RequestGuard._value(await value.read() if isinstance(value, UploadFile)
-                                                           else value)  # fmt: skip
+                    parameters[name] = RequestGuard._value(
+                        await value.read() if isinstance(value, UploadFile) else value
+                    )
         finally:
             await form.close()
         return parameters, images
@@ -367,8 +400,9 @@ def error_message(status: int, body: bytes) -> str:
     details = data.get("detail")
     if isinstance(details, list) and details and all(isinstance(d, dict) for d in details):
         # pydantic: [{"loc": ["top_k"], "msg": "Input should be greater than or equal to 1", ...}]
-        return "; ".join(f"{'.'.join(str(p) for p in d.get('loc', ())) or 'request'}: {d.get('msg', d)}"
-                         for d in details)  # fmt: skip
+        return "; ".join(
+            f"{'.'.join(str(p) for p in d.get('loc', ())) or 'request'}: {d.get('msg', d)}" for d in details
+        )
     message = data.get("error", data.get("detail", data))
     return message if isinstance(message, str) else json.dumps(message)
 
@@ -390,8 +424,9 @@ def one_error_shape(scope: dict, send: Any) -> Any:
         level = logging.WARNING if status < 500 or status in EXPECTED_SERVER_STATES else logging.ERROR
         log.log(level, "%s %s %d %s", scope["method"], scope["path"], status, reason)
         start, body = _json_response(status, reason)
-        start["headers"] += [(k, v) for k, v in held_start.get("headers", [])
-                             if k.lower() not in (b"content-type", b"content-length")]  # fmt: skip
+        start["headers"] += [
+            (k, v) for k, v in held_start.get("headers", []) if k.lower() not in (b"content-type", b"content-length")
+        ]
         return start, body
 
     return rewrite_response(send, lambda start: start["status"] >= 400, rewrite)

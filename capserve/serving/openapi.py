@@ -108,24 +108,30 @@ def pixels_schema(shape: tuple[int, ...] | None) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": 255, "description": "a uint8 pixel"}
     for axis in "WHCB":
         schema = {"type": "array", "items": schema, "minItems": 1, "description": f"axis {axis}"}
-    schema["description"] = (f"uint8 pixels {expected} as nested arrays of integers in [0, 255]; another shape is "
-                             "answered 400 with the shape expected")  # fmt: skip
+    schema["description"] = (
+        f"uint8 pixels {expected} as nested arrays of integers in [0, 255]; another shape is "
+        "answered 400 with the shape expected"
+    )
     if shape:
         schema["x-shape"] = ["B", *shape]
     return schema
 
 
-def contract(document: dict[str, Any], secured: bool, input_shapes: Mapping[str, tuple[int, ...]],
-             max_bytes: int) -> dict[str, Any]:  # fmt: skip
+def contract(
+    document: dict[str, Any], secured: bool, input_shapes: Mapping[str, tuple[int, ...]], max_bytes: int
+) -> dict[str, Any]:
     """BentoML's OpenAPI document → the contract: see the module's docstring. ``secured``: API keys are set."""
     from capserve import __version__
 
     definitions: dict[str, Any] = {}
     error = _schema(ErrorBody, definitions)
     document = openapi_3_0(document)
-    document["info"] = {"title": "capserve", "version": __version__,
-                        "description": "Capsule networks over HTTP. Every error answer is `{\"error\": \"...\"}`; "
-                                       f"request bodies are limited to {max_bytes:,} bytes."}  # fmt: skip
+    document["info"] = {
+        "title": "capserve",
+        "version": __version__,
+        "description": 'Capsule networks over HTTP. Every error answer is `{"error": "..."}`; '
+        f"request bodies are limited to {max_bytes:,} bytes.",
+    }
     paths = document.get("paths", {})
     for path, operations in paths.items():
         for operation in operations.values():
@@ -136,8 +142,10 @@ def contract(document: dict[str, Any], secured: bool, input_shapes: Mapping[str,
             if secured and path not in OPEN_ROUTES:
                 statuses = (401, *statuses)
             for status in sorted(statuses):
-                responses[str(status)] = {"description": STATUS_REASONS[status],
-                                          "content": {"application/json": {"schema": error}}}  # fmt: skip
+                responses[str(status)] = {
+                    "description": STATUS_REASONS[status],
+                    "content": {"application/json": {"schema": error}},
+                }
             if path in ANSWERS:
                 responses["200"] = {
                     "description": "Successful Response",
@@ -145,9 +153,10 @@ def contract(document: dict[str, Any], secured: bool, input_shapes: Mapping[str,
                 }
             if path in ARRAY_ROUTES:
                 logits = {"type": "array", "items": {"type": "number"}, "description": "logits of one image"}
-                responses["200"] = {"description": "logits (B, classes), one row per image, in order",
-                                    "content": {"application/json": {"schema": {"type": "array",
-                                                                                "items": logits}}}}  # fmt: skip
+                responses["200"] = {
+                    "description": "logits (B, classes), one row per image, in order",
+                    "content": {"application/json": {"schema": {"type": "array", "items": logits}}},
+                }
                 body = operation["requestBody"]["content"]["application/json"]["schema"]
                 body["properties"]["images"] = pixels_schema(input_shapes.get(path))
             content = operation.get("requestBody", {}).get("content", {})
@@ -159,10 +168,12 @@ def contract(document: dict[str, Any], secured: bool, input_shapes: Mapping[str,
                     if field.get("format") == "binary" or field.get("items", {}).get("format") == "binary":
                         # RequestGuard takes these and lets Pillow decide from the bytes (IMAGE_PART_TYPES)
                         form.setdefault("encoding", {})[name] = {"contentType": IMAGE_PART_TYPES}
-                        field["description"] = ("an image file (PNG, JPEG, BMP, GIF, WebP…) sent as image/*, "
-                                                "application/octet-stream or without a Content-Type: Pillow decides "
-                                                "from the bytes (400 when they are not an image); a part declared as "
-                                                "another type is answered 415")  # fmt: skip
+                        field["description"] = (
+                            "an image file (PNG, JPEG, BMP, GIF, WebP…) sent as image/*, "
+                            "application/octet-stream or without a Content-Type: Pillow decides "
+                            "from the bytes (400 when they are not an image); a part declared as "
+                            "another type is answered 415"
+                        )
                 form["schema"]["additionalProperties"] = False
             operation["responses"] = responses
             if secured:
@@ -174,8 +185,9 @@ def contract(document: dict[str, Any], secured: bool, input_shapes: Mapping[str,
     components = document.setdefault("components", {})
     components.setdefault("schemas", {}).update(openapi_3_0(definitions))
     if secured:
-        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
-                                                    "description": "one of the keys in CAPSERVE_API_KEYS"}}  # fmt: skip
+        components["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer", "description": "one of the keys in CAPSERVE_API_KEYS"}
+        }
     return document
 
 
@@ -186,7 +198,9 @@ def contract_response(send: Any, secured: bool, input_shapes: Mapping[str, tuple
         if start["status"] == 200:
             body = json.dumps(contract(json.loads(body), secured, input_shapes, max_bytes)).encode()
         headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
-        return ({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]},
-                {"type": "http.response.body", "body": body})  # fmt: skip
+        return (
+            {**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]},
+            {"type": "http.response.body", "body": body},
+        )
 
     return rewrite_response(send, lambda start: True, rewrite)

@@ -49,8 +49,10 @@ class Explained(BaseModel):
     selectivity: float = Field(description="0: routing is uniform (nothing to see), 1: each capsule picks one class")
     grid: list[list[float]] = Field(description="mean routing probability to the class over capsule types, per cell")
     capsules: list[Capsule] = Field(description="the most strongly routed capsules, strongest first")
-    heatmap_png: str = Field(description="base64 PNG: the grid vs uniform on a fixed log scale (1/4× blue, uniform "
-                                         "pale, 4× red) over the input")  # fmt: skip
+    heatmap_png: str = Field(
+        description="base64 PNG: the grid vs uniform on a fixed log scale (1/4× blue, uniform "
+        "pale, 4× red) over the input"
+    )
 
 
 # ---------------------------------------------------------------------------- GET /model

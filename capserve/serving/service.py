@@ -30,8 +30,13 @@ WORKERS = serving.workers_or_exit(SETTINGS)  # CAPSERVE_WORKERS: server processe
 BATCH = dict(batchable=True, max_batch_size=max(SETTINGS.max_batch_size, 2), max_latency_ms=SETTINGS.max_latency_ms)
 
 
-@bentoml.service(name="capserve", traffic={"timeout": 60}, workers=WORKERS, metrics={"enabled": True},
-                 logging={"access": {"enabled": SETTINGS.access_log}})  # fmt: skip
+@bentoml.service(
+    name="capserve",
+    traffic={"timeout": 60},
+    workers=WORKERS,
+    metrics={"enabled": True},
+    logging={"access": {"enabled": SETTINGS.access_log}},
+)
 class CapsuleService:
     def __init__(self) -> None:
         worker = serving.assign(SETTINGS, serving.current_index(), WORKERS)  # this process's GPU or cores
@@ -81,9 +86,13 @@ class CapsuleService:
         return self.capsules.describe()
 
 
-CapsuleService.add_asgi_middleware(serving.RequestGuard, max_bytes=SETTINGS.max_bytes,
-                                   file_fields=serving.FILE_FIELDS, get_routes=("/model",),
-                                   unavailable=serving.unavailable_routes(SETTINGS),
-                                   list_fields=serving.LIST_FIELDS,
-                                   parameters=serving.route_parameters(CapsuleService.apis),
-                                   api_keys=SETTINGS.api_keys)  # fmt: skip
+CapsuleService.add_asgi_middleware(
+    serving.RequestGuard,
+    max_bytes=SETTINGS.max_bytes,
+    file_fields=serving.FILE_FIELDS,
+    get_routes=("/model",),
+    unavailable=serving.unavailable_routes(SETTINGS),
+    list_fields=serving.LIST_FIELDS,
+    parameters=serving.route_parameters(CapsuleService.apis),
+    api_keys=SETTINGS.api_keys,
+)

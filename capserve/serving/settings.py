@@ -83,16 +83,21 @@ class Settings:
             api_keys=api_keys(env.get("CAPSERVE_API_KEYS", "")),
         )
         if settings.precision not in PRECISIONS:
-            raise ConfigurationError(f"CAPSERVE_PRECISION={settings.precision!r}; choose one of: "
-                                     f"{', '.join(PRECISIONS)}")  # fmt: skip
+            raise ConfigurationError(
+                f"CAPSERVE_PRECISION={settings.precision!r}; choose one of: {', '.join(PRECISIONS)}"
+            )
         if settings.precision == "bf16" and backend != "torch":
-            raise ConfigurationError(f"CAPSERVE_PRECISION=bf16 works with the torch backend only: {backend} serves "
-                                     "the precision of its exported graph. Set CAPSERVE_BACKEND=torch, or "
-                                     "CAPSERVE_PRECISION=fp32 or auto")  # fmt: skip
+            raise ConfigurationError(
+                f"CAPSERVE_PRECISION=bf16 works with the torch backend only: {backend} serves "
+                "the precision of its exported graph. Set CAPSERVE_BACKEND=torch, or "
+                "CAPSERVE_PRECISION=fp32 or auto"
+            )
         if settings.iterations is not None and backend != "torch":
-            raise ConfigurationError(f"CAPSERVE_ITERATIONS works with the torch backend only: {backend} artifacts "
-                                     "fix the routing iterations at export; re-export with `capserve export onnx DIR "
-                                     "-o DIR/model.onnx -T N` or unset CAPSERVE_ITERATIONS")  # fmt: skip
+            raise ConfigurationError(
+                f"CAPSERVE_ITERATIONS works with the torch backend only: {backend} artifacts "
+                "fix the routing iterations at export; re-export with `capserve export onnx DIR "
+                "-o DIR/model.onnx -T N` or unset CAPSERVE_ITERATIONS"
+            )
         return settings
 
 
@@ -149,8 +154,10 @@ def _fraction(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
-API_KEYS_FORMAT = ("CAPSERVE_API_KEYS: one or more keys separated by commas, or @FILE for a file with one key a line "
-                   "(blank lines and lines starting with # are skipped)")  # fmt: skip
+API_KEYS_FORMAT = (
+    "CAPSERVE_API_KEYS: one or more keys separated by commas, or @FILE for a file with one key a line "
+    "(blank lines and lines starting with # are skipped)"
+)
 
 
 def api_keys(text: str) -> tuple[str, ...]:
@@ -177,7 +184,9 @@ def api_keys(text: str) -> tuple[str, ...]:
     for i, key in enumerate(keys):
         # a bearer token is visible ASCII without spaces (RFC 6750); anything else could never be sent
         if not all(33 <= ord(c) <= 126 for c in key) or len(key) < 8:
-            raise ConfigurationError(f"{where}: key {i + 1} has {len(key)} characters or some that are not visible "
-                                     "ASCII; a key is at least 8 visible ASCII characters without spaces (e.g. "
-                                     "python -c 'import secrets; print(secrets.token_urlsafe(32))')")  # fmt: skip
+            raise ConfigurationError(
+                f"{where}: key {i + 1} has {len(key)} characters or some that are not visible "
+                "ASCII; a key is at least 8 visible ASCII characters without spaces (e.g. "
+                "python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            )
     return tuple(dict.fromkeys(keys))

@@ -69,11 +69,13 @@ def open_model(spec: str, settings: Settings, explain: bool = True) -> tuple[Run
         return runtime, _file_explainer(path, settings, runtime) if explain else None, source
     if not path.is_dir():
         home = os.environ.get("BENTOML_HOME", "~/bentoml")
-        raise ConfigurationError(f"model {spec!r} is neither a directory (working directory {Path.cwd()}) nor a "
-                                 f"model in BentoML's model store ({home}): set CAPSERVE_MODEL / "
-                                 "CAPSERVE_MULTILABEL_MODEL to a directory made by `capserve train` or "
-                                 "model.save(dir), an exported .onnx file, or save one to the store with "
-                                 "`capserve export bentoml DIR --name NAME`")  # fmt: skip
+        raise ConfigurationError(
+            f"model {spec!r} is neither a directory (working directory {Path.cwd()}) nor a "
+            f"model in BentoML's model store ({home}): set CAPSERVE_MODEL / "
+            "CAPSERVE_MULTILABEL_MODEL to a directory made by `capserve train` or "
+            "model.save(dir), an exported .onnx file, or save one to the store with "
+            "`capserve export bentoml DIR --name NAME`"
+        )
     warning = not_learned_warning(path)
     if warning:
         log.warning("%s", warning)
@@ -83,25 +85,37 @@ def open_model(spec: str, settings: Settings, explain: bool = True) -> tuple[Run
                 import torch
 
                 torch.set_num_threads(settings.threads)  # the worker's share of the cores (serving.workers)
-            runtime, _ = open_torch(path, settings.device, settings.iterations, settings.precision,
-                                    settings.bf16_min_agreement)  # fmt: skip
+            runtime, _ = open_torch(
+                path, settings.device, settings.iterations, settings.precision, settings.bf16_min_agreement
+            )
             return runtime, runtime if explain and has_routing(runtime) else None, source
         artifact = path / ARTIFACTS[settings.backend]
         if not artifact.is_file():
-            fix = (f"capserve export onnx {path} -o {artifact}" if settings.backend == "onnxruntime"
-                   else f"capserve export tensorrt {path / 'model.onnx'} -o {artifact}")  # fmt: skip
-            raise ConfigurationError(f"{path} has no {artifact.name}, which the {settings.backend} backend "
-                                     f"serves: run `{fix}` first, or set CAPSERVE_BACKEND=torch")  # fmt: skip
+            fix = (
+                f"capserve export onnx {path} -o {artifact}"
+                if settings.backend == "onnxruntime"
+                else f"capserve export tensorrt {path / 'model.onnx'} -o {artifact}"
+            )
+            raise ConfigurationError(
+                f"{path} has no {artifact.name}, which the {settings.backend} backend "
+                f"serves: run `{fix}` first, or set CAPSERVE_BACKEND=torch"
+            )
         runtime = load_runtime(artifact, settings.backend, settings.device, **lone_request_options(settings))
         _, runtime.precision_reason = resolve_precision(settings.precision, settings.backend, settings.device)
         explainer = None
         if explain and (path / EXPLAIN_ARTIFACT).is_file():
-            explainer = load_runtime(path / EXPLAIN_ARTIFACT, "onnxruntime", settings.device,
-                                     threads=settings.threads or 0)  # fmt: skip
+            explainer = load_runtime(
+                path / EXPLAIN_ARTIFACT, "onnxruntime", settings.device, threads=settings.threads or 0
+            )
             explainer.precision_reason = runtime.precision_reason
         elif explain and has_routing(runtime):
-            log.warning("%s has no %s: /explain is off (run `capserve export onnx %s -o %s --explain`)", path,
-                        EXPLAIN_ARTIFACT, path, path / EXPLAIN_ARTIFACT)  # fmt: skip
+            log.warning(
+                "%s has no %s: /explain is off (run `capserve export onnx %s -o %s --explain`)",
+                path,
+                EXPLAIN_ARTIFACT,
+                path,
+                path / EXPLAIN_ARTIFACT,
+            )
         return runtime, explainer, source
     except (RuntimeLoadError, ValueError) as e:
         if isinstance(e, ConfigurationError):
@@ -116,8 +130,10 @@ def _open_file(path: Path, settings: Settings) -> Runtime:
     wanted = ARTIFACTS.get(settings.backend)
     if wanted is None or path.suffix != Path(wanted).suffix:
         kinds = ", ".join(f"{Path(a).suffix} ({b})" for b, a in ARTIFACTS.items())
-        raise ConfigurationError(f"model {str(path)!r} is a file, which the {settings.backend} backend cannot serve: "
-                                 f"give a {kinds} file with its backend, or a model directory")  # fmt: skip
+        raise ConfigurationError(
+            f"model {str(path)!r} is a file, which the {settings.backend} backend cannot serve: "
+            f"give a {kinds} file with its backend, or a model directory"
+        )
     try:
         runtime = load_runtime(path, settings.backend, settings.device, **lone_request_options(settings))
         _, runtime.precision_reason = resolve_precision(settings.precision, settings.backend, settings.device)

@@ -89,9 +89,11 @@ def worker_count(settings: Settings, cores: int | None = None, gpus: int | None 
     if on_gpu(settings):
         gpus = visible_gpus() if gpus is None else gpus
         if gpus == 0:
-            raise ConfigurationError("CAPSERVE_WORKERS=auto with CAPSERVE_DEVICE=cuda, but no GPU is visible (check "
-                                     "nvidia-smi and CUDA_VISIBLE_DEVICES, and the pod's nvidia.com/gpu request); "
-                                     "set CAPSERVE_DEVICE=cpu, or CAPSERVE_WORKERS to a number")  # fmt: skip
+            raise ConfigurationError(
+                "CAPSERVE_WORKERS=auto with CAPSERVE_DEVICE=cuda, but no GPU is visible (check "
+                "nvidia-smi and CUDA_VISIBLE_DEVICES, and the pod's nvidia.com/gpu request); "
+                "set CAPSERVE_DEVICE=cpu, or CAPSERVE_WORKERS to a number"
+            )
         return gpus
     cores = available_cores() if cores is None else cores
     return min(max(1, cores // CORES_PER_CPU_WORKER), MAX_AUTO_CPU_WORKERS)

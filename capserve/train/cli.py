@@ -37,8 +37,11 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help=f"model name: {', '.join(list_models())} (default with --init: its model's; for "
-                   f"your own images: {DEFAULT_OWN_MODEL})")  # fmt: skip
+    p.add_argument(
+        "--model",
+        help=f"model name: {', '.join(list_models())} (default with --init: its model's; for "
+        f"your own images: {DEFAULT_OWN_MODEL})",
+    )
     p.add_argument(
         "--data",
         help="your images: a folder DIR/<label>/<images> (or DIR/train|val|test/<label>/...) "
@@ -54,11 +57,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "tensor whose shape matches; in the class layer, every label it also has keeps its class capsule, and only "
         "new labels start afresh)",
     )
-    p.add_argument("--label-map", action="append", metavar="OLD=NEW", help="with --init: the --init model's label "
-                   "OLD is called NEW in your data, and keeps what it learnt (repeat for more)")  # fmt: skip
+    p.add_argument(
+        "--label-map",
+        action="append",
+        metavar="OLD=NEW",
+        help="with --init: the --init model's label "
+        "OLD is called NEW in your data, and keeps what it learnt (repeat for more)",
+    )
     p.add_argument("--name", help="the model's name in served answers and exports (default: the --out folder's name)")
-    p.add_argument("--label-separator", metavar="SEP", help="a CSV's labels column: labels separated by SEP (e.g. ';' "
-                   "or '|', for label names with spaces; default: spaces)")  # fmt: skip
+    p.add_argument(
+        "--label-separator",
+        metavar="SEP",
+        help="a CSV's labels column: labels separated by SEP (e.g. ';' "
+        "or '|', for label names with spaces; default: spaces)",
+    )
     p.add_argument(
         "--augment",
         choices=AUGMENTATIONS,
@@ -75,17 +87,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model config override (JSON)")
     p.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR (its last/ checkpoint)")
     p.add_argument("--epochs", type=int, default=350)
-    p.add_argument("--batch-size", type=int, help="global batch size, all processes together (default: 128 for CIFAR "
-                   "and DiverseMultiMNIST, 64 for your own images)")  # fmt: skip
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="auto", help="auto (default: sgd for CIFAR and "
-                   "DiverseMultiMNIST, the authors' recipe; adamw for your own images), sgd (momentum 0.9), adam, "
-                   "adamw")  # fmt: skip
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="global batch size, all processes together (default: 128 for CIFAR "
+        "and DiverseMultiMNIST, 64 for your own images)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="auto",
+        help="auto (default: sgd for CIFAR and "
+        "DiverseMultiMNIST, the authors' recipe; adamw for your own images), sgd (momentum 0.9), adam, "
+        "adamw",
+    )
     p.add_argument("--lr", type=float, help="base learning rate (default: 0.1 for sgd, 1e-3 for adam, 2e-3 for adamw)")
     p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9; Adam and AdamW take none)")
-    p.add_argument("--weight-decay", type=float, help="weight decay (default: 5e-4 for sgd and adam, coupled L2; "
-                   "5e-2 for adamw, decoupled)")  # fmt: skip
-    p.add_argument("--schedule", choices=SCHEDULES, help="lr schedule (default: step for CIFAR and DiverseMultiMNIST, "
-                   "onecycle for your own images)")  # fmt: skip
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        help="weight decay (default: 5e-4 for sgd and adam, coupled L2; 5e-2 for adamw, decoupled)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        help="lr schedule (default: step for CIFAR and DiverseMultiMNIST, onecycle for your own images)",
+    )
     p.add_argument("--amp", choices=tuple(AMP), default="off", help="autocast dtype (bf16 works on CPU too)")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop cleanly after this much training")
@@ -112,8 +139,9 @@ def run(args: argparse.Namespace) -> int:
         keep = {"data": args.data, "out": args.out, "time_budget": args.time_budget, "device": args.device}
         cfg = dataclasses.replace(saved, **{k: v for k, v in keep.items() if v not in (None, "auto")})
         if not args.out:
-            cfg = dataclasses.replace(cfg, out=str(Path(resume) if (Path(resume) / "last").is_dir()
-                                                   else Path(resume).parent))  # fmt: skip
+            cfg = dataclasses.replace(
+                cfg, out=str(Path(resume) if (Path(resume) / "last").is_dir() else Path(resume).parent)
+            )
     else:
         model, overrides = args.model, _parse_set(args.set)
         if args.init and not args.model:
@@ -124,16 +152,37 @@ def run(args: argparse.Namespace) -> int:
         missing = [f"--{k}" for k, v in (("model", model), ("data", args.data), ("out", args.out)) if not v]
         if missing:
             raise ValueError(f"missing {', '.join(missing)} (or give --resume DIR)")
-        cfg = TrainConfig(model=model, data=args.data, out=args.out, overrides=overrides, optimizer=args.optimizer,
-                          epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
-                          weight_decay=args.weight_decay, schedule=args.schedule, amp=args.amp,
-                          channels_last=args.channels_last, time_budget=args.time_budget, max_steps=args.max_steps,
-                          grad_clip=args.grad_clip, val_size=args.val_size, epoch_size=args.epoch_size,
-                          seed=args.seed, eval_batch_size=args.eval_batch_size, test=not args.no_test,
-                          device=args.device, image_size=args.image_size, init=args.init,
-                          label_map=parse_label_map(args.label_map), name=args.name,
-                          label_separator=args.label_separator,
-                          augment=args.augment, freeze=args.freeze)  # fmt: skip
+        cfg = TrainConfig(
+            model=model,
+            data=args.data,
+            out=args.out,
+            overrides=overrides,
+            optimizer=args.optimizer,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            momentum=args.momentum,
+            weight_decay=args.weight_decay,
+            schedule=args.schedule,
+            amp=args.amp,
+            channels_last=args.channels_last,
+            time_budget=args.time_budget,
+            max_steps=args.max_steps,
+            grad_clip=args.grad_clip,
+            val_size=args.val_size,
+            epoch_size=args.epoch_size,
+            seed=args.seed,
+            eval_batch_size=args.eval_batch_size,
+            test=not args.no_test,
+            device=args.device,
+            image_size=args.image_size,
+            init=args.init,
+            label_map=parse_label_map(args.label_map),
+            name=args.name,
+            label_separator=args.label_separator,
+            augment=args.augment,
+            freeze=args.freeze,
+        )
         get_config(cfg.model, **cfg.overrides)  # fail early on a bad --set
     if resume:  # a step limit applies to one invocation, never to the resumed one
         cfg = dataclasses.replace(cfg, max_steps=args.max_steps)

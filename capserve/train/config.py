@@ -170,6 +170,8 @@ def read_resume_config(path: str | Path) -> TrainConfig:
     path = Path(path)
     last = path if (path / "trainer.json").is_file() else path / "last"
     if not (last / "trainer.json").is_file():
-        raise FileNotFoundError(f"no checkpoint to resume in {path}: expected {path}/last/trainer.json "
-                                "(written by `capserve train --out DIR` after each epoch)")  # fmt: skip
+        raise FileNotFoundError(
+            f"no checkpoint to resume in {path}: expected {path}/last/trainer.json "
+            "(written by `capserve train --out DIR` after each epoch)"
+        )
     return TrainConfig(**json.loads((last / "trainer.json").read_text())["train_config"])

@@ -85,8 +85,10 @@ def make_optimizer(model: Model, cfg: TrainConfig) -> torch.optim.Optimizer:
     costs fit), over the parameters that train (``--freeze backbone`` leaves the backbone's out)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "adamw":
-        groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
-                  {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]  # fmt: skip
+        groups = [
+            {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -187,12 +189,19 @@ def build_model(cfg: TrainConfig, manifest: Manifest | None = None) -> Model:
     val_size = val_size_of(cfg, manifest is not None)
     if manifest is None:
         if cfg.image_size is not None:
-            raise ValueError("--image-size works with your own images (a folder or CSV); the built-in datasets have "
-                             "fixed sizes (use --set image_size=N to change a model config)")  # fmt: skip
+            raise ValueError(
+                "--image-size works with your own images (a folder or CSV); the built-in datasets have "
+                "fixed sizes (use --set image_size=N to change a model config)"
+            )
         data = {"dataset": dataset_for(config.labels, config.task, config.image_size), "val_size": val_size}
     else:
-        config = dataclasses.replace(config, labels=manifest.labels, task=manifest.task, thresholds=None,
-                                     image_size=cfg.image_size or config.image_size)  # fmt: skip
+        config = dataclasses.replace(
+            config,
+            labels=manifest.labels,
+            task=manifest.task,
+            thresholds=None,
+            image_size=cfg.image_size or config.image_size,
+        )
         data = {"dataset": manifest.kind, "source": str(manifest.source), "val_size": val_size}
     torch.manual_seed(cfg.seed)
     # served answers and exports carry the run's name: two fine-tunes of one config can be told apart
@@ -200,8 +209,9 @@ def build_model(cfg: TrainConfig, manifest: Manifest | None = None) -> Model:
     return model_from_config(dataclasses.replace(config, extra={**config.extra, "data": data, "name": name}))
 
 
-def load_own_training(manifest: Manifest, model: Model, out: Path, d: Dist,
-                      device: torch.device) -> tuple[Data, Split | None, int]:  # fmt: skip
+def load_own_training(
+    manifest: Manifest, model: Model, out: Path, d: Dist, device: torch.device
+) -> tuple[Data, Split | None, int]:
     """A user's data decoded at the model's input (through the run folder's cache): training data, test, skipped."""
     c = model.config
     if d.enabled and not d.main:
@@ -301,12 +311,23 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
         augment_why = augment_reason(dataset)
     if d.main:
         log.info("augmentation: %s (%s)", cfg.augment, augment_why)
-        log.info("recipe: %s lr %g, weight decay %g, %s schedule, batch %d", cfg.optimizer, cfg.lr, cfg.weight_decay,
-                 cfg.schedule, cfg.batch_size)  # fmt: skip
+        log.info(
+            "recipe: %s lr %g, weight decay %g, %s schedule, batch %d",
+            cfg.optimizer,
+            cfg.lr,
+            cfg.weight_decay,
+            cfg.schedule,
+            cfg.batch_size,
+        )
         if cfg.optimizer in ("adam", "adamw") and cfg.lr > ADAM_LR_WARNING:
-            log.warning("--lr %g is an SGD-sized step; %s usually diverges or stalls above %g (its default is %g): "
-                        "drop --lr, or give --optimizer sgd", cfg.lr, cfg.optimizer, ADAM_LR_WARNING,
-                        DEFAULT_LR[cfg.optimizer])  # fmt: skip
+            log.warning(
+                "--lr %g is an SGD-sized step; %s usually diverges or stalls above %g (its default is %g): "
+                "drop --lr, or give --optimizer sgd",
+                cfg.lr,
+                cfg.optimizer,
+                ADAM_LR_WARNING,
+                DEFAULT_LR[cfg.optimizer],
+            )
     if manifest is not None and not cfg.init:  # --init keeps the mean/std its weights were trained with
         model.config = dataclasses.replace(model.config, **data_mean_std(data.train.images))
         log.info("mean/std from the %d training images: %s / %s", len(data.train), model.config.mean, model.config.std)
@@ -317,8 +338,9 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
         model.to(memory_format=torch.channels_last)
     net: torch.nn.Module = model
     if d.enabled:
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                        else None)  # fmt: skip
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     opt = make_optimizer(model, cfg)
     scaler = torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None
     state: dict[str, Any] = {"epoch": 0, "batch": 0, "step": 0, "elapsed": 0.0, "best_acc": None, "best_epoch": None}
@@ -346,9 +368,15 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
     )
     if d.main:
         (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
-        log.info("%s on %s: %d train images/epoch, %d validation, %d steps/epoch, %d parameters", cfg.model,
-                 device, data.epoch_size, len(data.val) if data.val else 0, run.steps_per_epoch,
-                 sum(p.numel() for p in model.parameters()))  # fmt: skip
+        log.info(
+            "%s on %s: %d train images/epoch, %d validation, %d steps/epoch, %d parameters",
+            cfg.model,
+            device,
+            data.epoch_size,
+            len(data.val) if data.val else 0,
+            run.steps_per_epoch,
+            sum(p.numel() for p in model.parameters()),
+        )
     return run
 
 
@@ -414,8 +442,16 @@ def train_epoch(run: Run) -> tuple[dict[str, Any], bool]:
     run.net.train()
     if cfg.freeze == "backbone":  # its BatchNorm keeps the --init model's statistics
         run.model.backbone.eval()
-    bar = tqdm(total=steps, initial=state["batch"], desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="step",
-               disable=not d.main, leave=False, dynamic_ncols=True, mininterval=0.5)  # fmt: skip
+    bar = tqdm(
+        total=steps,
+        initial=state["batch"],
+        desc=f"epoch {epoch + 1}/{cfg.epochs}",
+        unit="step",
+        disable=not d.main,
+        leave=False,
+        dynamic_ncols=True,
+        mininterval=0.5,
+    )
     with logging_redirect_tqdm(), bar:
         for b in range(state["batch"], steps):
             lo = b * cfg.batch_size + d.rank * local
@@ -438,9 +474,15 @@ def train_epoch(run: Run) -> tuple[dict[str, Any], bool]:
     if d.enabled:
         dist.all_reduce(sums)
     n = max(sums[2].item(), 1)
-    record = {"epoch": epoch + 1, "step": state["step"], "lr": lr, "train_loss": sums[0].item() / n,
-              "train_acc": sums[1].item() / n, "images_per_s": images / max(time.perf_counter() - t_epoch, 1e-9),
-              "epoch_complete": state["batch"] >= steps}  # fmt: skip
+    record = {
+        "epoch": epoch + 1,
+        "step": state["step"],
+        "lr": lr,
+        "train_loss": sums[0].item() / n,
+        "train_acc": sums[1].item() / n,
+        "images_per_s": images / max(time.perf_counter() - t_epoch, 1e-9),
+        "epoch_complete": state["batch"] >= steps,
+    }
     return record, stop
 
 
@@ -463,12 +505,23 @@ def end_epoch(run: Run, record: dict[str, Any]) -> None:
         with open(run.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         val = f" | val loss {record['val_loss']:.4f} acc {100 * record['val_acc']:.2f}%" if data.val else ""
-        log.info("epoch %d/%d: train loss %.4f acc %.2f%%%s | %.0f img/s | %.0f s%s", epoch + 1, cfg.epochs,
-                 record["train_loss"], 100 * record["train_acc"], val, record["images_per_s"], state["elapsed"],
-                 " (best)" if improved else "")  # fmt: skip
+        log.info(
+            "epoch %d/%d: train loss %.4f acc %.2f%%%s | %.0f img/s | %.0f s%s",
+            epoch + 1,
+            cfg.epochs,
+            record["train_loss"],
+            100 * record["train_acc"],
+            val,
+            record["images_per_s"],
+            state["elapsed"],
+            " (best)" if improved else "",
+        )
         if improved:
-            save_model(run.model, run.out / "best", extra={"training": _provenance(cfg, state),
-                                                           "metrics": {"val_acc": record.get("val_acc")}})  # fmt: skip
+            save_model(
+                run.model,
+                run.out / "best",
+                extra={"training": _provenance(cfg, state), "metrics": {"val_acc": record.get("val_acc")}},
+            )
         _save_state(run.out / "last", run.model, run.opt, run.scaler, state, cfg)
     if d.enabled:
         dist.barrier()
@@ -479,29 +532,46 @@ def finish(run: Run) -> dict[str, Any]:
     summary (``summary.json``, ``curves.png``)."""
     cfg, d, state, data, c = run.cfg, run.d, run.state, run.data, run.model.config
     device = run.device
-    summary: dict[str, Any] = {"model": cfg.model, "dataset": run.dataset, "best_epoch": state["best_epoch"],
-                               "best_val_acc": state["best_acc"] if data.val is not None else None,
-                               "steps": state["step"], "train_seconds": state["elapsed"],
-                               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                               "processes": d.world, "augment": cfg.augment}  # fmt: skip
+    summary: dict[str, Any] = {
+        "model": cfg.model,
+        "dataset": run.dataset,
+        "best_epoch": state["best_epoch"],
+        "best_val_acc": state["best_acc"] if data.val is not None else None,
+        "steps": state["step"],
+        "train_seconds": state["elapsed"],
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "processes": d.world,
+        "augment": cfg.augment,
+    }
     if run.manifest is not None:
         summary.update(labels=list(c.labels), task=c.task, skipped_images=run.skipped)
     if run.init is not None:
-        summary["init"] = {"from": run.init["from"], "loaded": len(run.init["loaded"]), "new": run.init["new"],
-                           "kept_labels": run.init["kept_labels"], "new_labels": run.init["new_labels"]}  # fmt: skip
+        summary["init"] = {
+            "from": run.init["from"],
+            "loaded": len(run.init["loaded"]),
+            "new": run.init["new"],
+            "kept_labels": run.init["kept_labels"],
+            "new_labels": run.init["new_labels"],
+        }
     if data.val is None and d.main:
         log.warning("no validation split (--val-size 0): best/ is the epoch with the best training accuracy")
     learned = check_learned(run) if d.main else None
     if learned is not None:
         summary.update(learned=learned["learned"], prior_val_acc=learned["prior"])
-    if (c.task == "multi_label" and data.val is not None and state["best_epoch"] is not None and d.main
-            and summary.get("learned", True)):  # fmt: skip
+    if (
+        c.task == "multi_label"
+        and data.val is not None
+        and state["best_epoch"] is not None
+        and d.main
+        and summary.get("learned", True)
+    ):
         summary["thresholds"] = calibrate_best(run.out / "best", data.val, cfg.eval_batch_size, device)
     if cfg.test and state["best_epoch"] is not None and d.main:
         test_split = run.test_split if run.manifest is not None else load_test(run.dataset, cfg.data)
         if test_split is None or not len(test_split):
-            log.info("no test split in %s (a test/ folder or rows with split test): skipping the test evaluation",
-                     cfg.data)  # fmt: skip
+            log.info(
+                "no test split in %s (a test/ folder or rows with split test): skipping the test evaluation", cfg.data
+            )
         else:
             best = load_model(run.out / "best", device)
             test = validate(best, test_split, cfg, device, Dist())
@@ -537,8 +607,11 @@ def check_learned(run: Run) -> dict[str, Any] | None:
     train_targets = data.train.targets if data.train is not None else data.val.targets
     prior, answer = prior_score(train_targets, data.val.targets)
     if not has_learned(1.0, prior, len(data.val)):
-        log.warning("the validation split (%d images) is too small to tell a model that learned from one that "
-                    "did not: give --val-size a larger count, or a val/ split", len(data.val))  # fmt: skip
+        log.warning(
+            "the validation split (%d images) is too small to tell a model that learned from one that "
+            "did not: give --val-size a larger count, or a val/ split",
+            len(data.val),
+        )
         return {"learned": None, "prior": prior}
     learned = has_learned(state["best_acc"], prior, len(data.val))
     key = "exact match" if c.task == "multi_label" else "top-1"
@@ -546,17 +619,28 @@ def check_learned(run: Run) -> dict[str, Any] | None:
     last = records[-1] if records else {}
     gap = last.get("train_acc", 0.0) - last.get("val_acc", 0.0)
     if gap > MEMORISING_GAP:
-        log.warning("the run memorised its training images: %s %.1f %% on them against %.1f %% on validation in the "
-                    "last epoch; more images, --augment shift (if position varies), or a larger --weight-decay "
-                    "usually help", key, 100 * last["train_acc"], 100 * last["val_acc"])  # fmt: skip
+        log.warning(
+            "the run memorised its training images: %s %.1f %% on them against %.1f %% on validation in the "
+            "last epoch; more images, --augment shift (if position varies), or a larger --weight-decay "
+            "usually help",
+            key,
+            100 * last["train_acc"],
+            100 * last["val_acc"],
+        )
     if not learned:
         names = [c.labels[int(i)] for i in answer.split(",") if i]
-        log.error("the run did not learn: its best validation %s, %.1f %% (epoch %d), is no better than always "
-                  "answering %s (%.1f %% of the validation images). best/ is marked as not learned. Try, in order: "
-                  "more --epochs; the default recipe (no --lr, --optimizer, --weight-decay or --augment flags); a "
-                  "look at a few images of each label (are the labels right, do the images differ?); more images "
-                  "per label", key, 100 * state["best_acc"], state["best_epoch"],
-                  " + ".join(names) if names else "no label", 100 * prior)  # fmt: skip
+        log.error(
+            "the run did not learn: its best validation %s, %.1f %% (epoch %d), is no better than always "
+            "answering %s (%.1f %% of the validation images). best/ is marked as not learned. Try, in order: "
+            "more --epochs; the default recipe (no --lr, --optimizer, --weight-decay or --augment flags); a "
+            "look at a few images of each label (are the labels right, do the images differ?); more images "
+            "per label",
+            key,
+            100 * state["best_acc"],
+            state["best_epoch"],
+            " + ".join(names) if names else "no label",
+            100 * prior,
+        )
         mark_not_learned(run.out / "best", state["best_acc"], prior)
     return {"learned": learned, "prior": prior}
 
@@ -575,8 +659,11 @@ def calibrate_best(best_dir: Path, val: Split, batch_size: int, device: torch.de
     best = load_model(best_dir, device)
     thresholds = fit_thresholds(predict_logits(best, val, None, batch_size, device), val.targets.cpu())
     store_thresholds(best_dir, best, thresholds)
-    log.info("thresholds calibrated on the validation split (stored in %s): %s", best_dir,
-             ", ".join(f"{lab} {t:.2f}" for lab, t in zip(best.config.labels, thresholds, strict=True)))  # fmt: skip
+    log.info(
+        "thresholds calibrated on the validation split (stored in %s): %s",
+        best_dir,
+        ", ".join(f"{lab} {t:.2f}" for lab, t in zip(best.config.labels, thresholds, strict=True)),
+    )
     return list(thresholds)
 
 

@@ -22,8 +22,9 @@ from capserve.train.config import TrainConfig
 log = logging.getLogger(__name__)
 
 
-def _save_state(directory: Path, model: Model, opt: torch.optim.Optimizer, scaler: Any, state: dict,
-                cfg: TrainConfig) -> None:  # fmt: skip
+def _save_state(
+    directory: Path, model: Model, opt: torch.optim.Optimizer, scaler: Any, state: dict, cfg: TrainConfig
+) -> None:
     """``last/``: model dir + optimizer tensors (safetensors) + everything else as JSON. No pickle."""
     tmp = directory.with_name(directory.name + ".tmp")
     save_model(model, tmp, extra={"training": _provenance(cfg, state)})
@@ -41,8 +42,13 @@ def _save_state(directory: Path, model: Model, opt: torch.optim.Optimizer, scale
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{i}"] = s
     save_tensors(tensors, tmp / "optimizer.safetensors")
-    trainer = {"train_config": dataclasses.asdict(cfg), "state": state, "param_groups": sd["param_groups"],
-               "optimizer_scalars": meta, "scaler": scaler.state_dict() if scaler is not None else None}  # fmt: skip
+    trainer = {
+        "train_config": dataclasses.asdict(cfg),
+        "state": state,
+        "param_groups": sd["param_groups"],
+        "optimizer_scalars": meta,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+    }
     (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
     if directory.exists():
         for f in directory.iterdir():
@@ -75,8 +81,11 @@ def _load_state(directory: Path, model: Model, opt: torch.optim.Optimizer, scale
 
 
 def _provenance(cfg: TrainConfig, state: dict) -> dict:
-    return {"recipe": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("data", "out", "device")},
-            "epoch": state["epoch"], "step": state["step"]}  # fmt: skip
+    return {
+        "recipe": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("data", "out", "device")},
+        "epoch": state["epoch"],
+        "step": state["step"],
+    }
 
 
 def parse_label_map(items: list[str] | None) -> dict[str, str]:
@@ -86,8 +95,9 @@ def parse_label_map(items: list[str] | None) -> dict[str, str]:
         old, sep, new = item.partition("=")
         old, new = old.strip(), new.strip()
         if not sep or not old or not new:
-            raise ValueError(f"--label-map takes OLD=NEW (a label of the --init model, then its name in your data), "
-                             f"got {item!r}")  # fmt: skip
+            raise ValueError(
+                f"--label-map takes OLD=NEW (a label of the --init model, then its name in your data), got {item!r}"
+            )
         if old in out:
             raise ValueError(f"--label-map names {old!r} twice")
         out[old] = new
@@ -119,12 +129,16 @@ def init_from(model: Model, directory: str | Path, label_map: dict[str, str] | N
     label_map = dict(label_map or {})
     unknown = [old for old in label_map if old not in source.labels]
     if unknown:
-        raise ValueError(f"--label-map: {', '.join(map(repr, unknown))} is not a label of {directory} (its labels: "
-                         f"{', '.join(source.labels)})")  # fmt: skip
+        raise ValueError(
+            f"--label-map: {', '.join(map(repr, unknown))} is not a label of {directory} (its labels: "
+            f"{', '.join(source.labels)})"
+        )
     absent = [new for new in label_map.values() if new not in model.config.labels]
     if absent:
-        raise ValueError(f"--label-map: {', '.join(map(repr, absent))} is not a label of your data (its labels: "
-                         f"{', '.join(model.config.labels)})")  # fmt: skip
+        raise ValueError(
+            f"--label-map: {', '.join(map(repr, absent))} is not a label of your data (its labels: "
+            f"{', '.join(model.config.labels)})"
+        )
     renamed = [label_map.get(label, label) for label in source.labels]
     clash = sorted({label for label in renamed if renamed.count(label) > 1})
     if clash:
@@ -158,14 +172,33 @@ def init_from(model: Model, directory: str | Path, label_map: dict[str, str] | N
     values = sum(t.numel() for t in loaded.values())
     kept = [model.config.labels[j] for j, _ in pairs] if partial or same_classes else []
     fresh = [label for label in model.config.labels if label not in kept]
-    log.info("--init %s (%s): loaded %d tensors (%s values), new %d%s", directory, source.name, len(loaded),
-             f"{values:,}", len(new), f": {', '.join(new)}" if new else "")  # fmt: skip
+    log.info(
+        "--init %s (%s): loaded %d tensors (%s values), new %d%s",
+        directory,
+        source.name,
+        len(loaded),
+        f"{values:,}",
+        len(new),
+        f": {', '.join(new)}" if new else "",
+    )
     if not same_classes:
-        log.info("class layer (%s*): %d labels keep what %s learnt%s; %d start afresh%s", class_layer, len(kept),
-                 directory, f" ({', '.join(kept)})" if kept else "", len(fresh),
-                 f" ({', '.join(fresh)})" if fresh else "")  # fmt: skip
-    return {"from": str(directory), "loaded": sorted(set(loaded) - set(partial)), "new": new, "partial": partial,
-            "kept_labels": kept, "new_labels": fresh}  # fmt: skip
+        log.info(
+            "class layer (%s*): %d labels keep what %s learnt%s; %d start afresh%s",
+            class_layer,
+            len(kept),
+            directory,
+            f" ({', '.join(kept)})" if kept else "",
+            len(fresh),
+            f" ({', '.join(fresh)})" if fresh else "",
+        )
+    return {
+        "from": str(directory),
+        "loaded": sorted(set(loaded) - set(partial)),
+        "new": new,
+        "partial": partial,
+        "kept_labels": kept,
+        "new_labels": fresh,
+    }
 
 
 def _drop(shape: torch.Size, dim: int) -> tuple[int, ...]:

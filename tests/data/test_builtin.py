@@ -126,8 +126,12 @@ def test_random_crop_flip_is_a_crop_of_the_padded_image():
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
     seen = set()
     for i in range(len(x)):
-        crops = {(dy, dx, f): padded[i, :, dy : dy + 8, dx : dx + 8] for dy in range(5) for dx in range(5)
-                 for f in (False, True)}  # fmt: skip
+        crops = {
+            (dy, dx, f): padded[i, :, dy : dy + 8, dx : dx + 8]
+            for dy in range(5)
+            for dx in range(5)
+            for f in (False, True)
+        }
         matches = [k for k, c in crops.items() if torch.equal(y[i], c.flip(-1) if k[2] else c)]
         assert matches, f"image {i} is not a (flipped) crop"
         seen.update(matches)

@@ -182,5 +182,7 @@ def test_pixel_limit_is_configurable():
 
 def test_unsupported_channel_count():
     with pytest.raises(UnsupportedImageError, match="channels"):
-        load_image(encode(Image.fromarray(rgb())), capserve.get_config("cifar10-resnet", in_channels=2,
-                                                                              mean=(0, 0), std=(1, 1)))  # fmt: skip
+        load_image(
+            encode(Image.fromarray(rgb())),
+            capserve.get_config("cifar10-resnet", in_channels=2, mean=(0, 0), std=(1, 1)),
+        )

@@ -108,8 +108,16 @@ def multi_label_csv(root: Path, n: int = 36) -> Path:
 
 
 def config(data: Path, out: Path, model: str = "cifar10-simple", **kw) -> TrainConfig:
-    base = dict(overrides=tiny_overrides(model), epochs=2, batch_size=8, lr=0.05, eval_batch_size=16, device="cpu",
-                image_size=SIZE, schedule="cosine")  # fmt: skip
+    base = dict(
+        overrides=tiny_overrides(model),
+        epochs=2,
+        batch_size=8,
+        lr=0.05,
+        eval_batch_size=16,
+        device="cpu",
+        image_size=SIZE,
+        schedule="cosine",
+    )
     return TrainConfig(model=model, data=str(data), out=str(out), **{**base, **kw})
 
 
@@ -276,15 +284,43 @@ def test_resume_reuses_the_cache(run, caplog):
 def test_image_size_is_for_own_images(tmp_path, capsys):
 
     cifar = write_easy_cifar10(tmp_path / "c").parent
-    assert main(["train", "--model", "cifar10-simple", "--data", str(cifar), "--out", str(tmp_path / "r"),
-                 "--image-size", "16"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                "cifar10-simple",
+                "--data",
+                str(cifar),
+                "--out",
+                str(tmp_path / "r"),
+                "--image-size",
+                "16",
+            ]
+        )
+        == 2
+    )
     assert "--image-size works with your own images" in capsys.readouterr().err
 
 
 def test_evaluate_json_and_confusion_png(run, folder, tmp_path, capsys):
     out, _ = run
-    assert main(["evaluate", str(out / "best"), "--data", str(folder), "--iterations", "1,2", "--json",
-                 "--out", str(tmp_path / "ev")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "evaluate",
+                str(out / "best"),
+                "--data",
+                str(folder),
+                "--iterations",
+                "1,2",
+                "--json",
+                "--out",
+                str(tmp_path / "ev"),
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)  # one JSON object and nothing else on stdout
     assert report["images"] == 12 and report["labels"] == list(LABELS) and report["split"] == "test"
     m = report["results"]["2"]
@@ -340,8 +376,11 @@ def test_a_data_path_that_does_not_exist_says_so_and_writes_nothing(run, tmp_pat
     """A typo in --data answered with a CIFAR-10 download link and left an empty run folder behind."""
     out, _ = run
     monkeypatch.chdir(tmp_path)
-    argv = (["train", "--model", "cifar10-simple", "--out", "runs/new"] if command == "train"
-            else ["evaluate", str(out / "best"), "--out", "runs/new"])  # fmt: skip
+    argv = (
+        ["train", "--model", "cifar10-simple", "--out", "runs/new"]
+        if command == "train"
+        else ["evaluate", str(out / "best"), "--out", "runs/new"]
+    )
     assert main([*argv, "--data", "mydat"]) == 2
     err = capsys.readouterr().err
     assert "--data mydat: no such file or folder" in err and "cifar" not in err.lower().split("or the folder")[0]
@@ -360,11 +399,26 @@ def test_csv_labels_with_a_separator(tmp_path, capsys):
     manifest = scan(csv_path, ";")
     assert manifest.labels == ("blue whale", "red fox") and manifest.splits["train"][0].labels == names
     assert "fox;" in scan(csv_path).labels  # without it: words
-    summary = train(config(csv_path, tmp_path / "ml", model="multimnist-matrix-small", epochs=1, val_size=2,
-                           label_separator=";"))  # fmt: skip
+    summary = train(
+        config(csv_path, tmp_path / "ml", model="multimnist-matrix-small", epochs=1, val_size=2, label_separator=";")
+    )
     assert capserve.read_config(tmp_path / "ml" / "best").labels == ("blue whale", "red fox") and summary
-    assert main(["evaluate", str(tmp_path / "ml" / "best"), "--data", str(csv_path), "--label-separator", ";",
-                 "--iterations", "2", "--json"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "evaluate",
+                str(tmp_path / "ml" / "best"),
+                "--data",
+                str(csv_path),
+                "--label-separator",
+                ";",
+                "--iterations",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert list(json.loads(capsys.readouterr().out)["results"]["2"]["f1"]) == ["blue whale", "red fox"]
     with pytest.raises(DataError, match="--label-separator is for a CSV"):
         scan(tmp_path / "img", ";")
@@ -376,8 +430,9 @@ def test_multi_label_csv_trains_calibrates_and_evaluates(tmp_path, capsys):
     c = capserve.read_config(tmp_path / "ml" / "best")
     assert c.task == "multi_label" and c.labels == ("blue", "green", "red")
     assert c.thresholds is not None and summary["thresholds"] == list(c.thresholds)  # calibrated on val
-    assert main(["evaluate", str(tmp_path / "ml" / "best"), "--data", str(csv_path), "--iterations", "2",
-                 "--json"]) == 0  # fmt: skip
+    assert (
+        main(["evaluate", str(tmp_path / "ml" / "best"), "--data", str(csv_path), "--iterations", "2", "--json"]) == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["images"] == 6 and set(report["results"]["2"]) == {"exact_match", "f1", "macro_f1", "ranked_recall"}
 
@@ -409,49 +464,105 @@ def test_fine_tuning_keeps_the_class_capsules_of_matching_labels(run, caplog):
         assert torch.equal(got[:, j], source[weight][:, LABELS.index(old)])
     without = capserve.create_model("cifar10-simple", **kw, labels=("blue whale", "fox", "grüne Wiese"))
     assert init_from(without, out / "best")["new_labels"] == ["fox"]
-    for bad, message in [({"red wolf": "fox"}, "'red wolf' is not a label of"),
-                         ({"red fox": "wolf"}, "'wolf' is not a label of your data"),
-                         ({"red fox": "blue whale"}, "two classes")]:  # fmt: skip
+    for bad, message in [
+        ({"red wolf": "fox"}, "'red wolf' is not a label of"),
+        ({"red fox": "wolf"}, "'wolf' is not a label of your data"),
+        ({"red fox": "blue whale"}, "two classes"),
+    ]:
         with pytest.raises(ValueError, match=message):
-            init_from(capserve.create_model("cifar10-simple", **kw, labels=("blue whale", "fox", "grüne Wiese")),
-                      out / "best", bad)  # fmt: skip
+            init_from(
+                capserve.create_model("cifar10-simple", **kw, labels=("blue whale", "fox", "grüne Wiese")),
+                out / "best",
+                bad,
+            )
 
 
 def test_label_map_on_the_command_line(run, tmp_path, capsys):
     out, _ = run
     data = write_folder(tmp_path / "renamed", train=4)
     (data / "red fox").rename(data / "fox")
-    code = main(["train", "--init", str(out / "best"), "--data", str(data), "--out", str(tmp_path / "ft"),
-                 "--label-map", "red fox=fox", "--epochs", "1", "--batch-size", "4", "--val-size", "3", "--no-test",
-                 "--name", "foxes"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--init",
+            str(out / "best"),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "ft"),
+            "--label-map",
+            "red fox=fox",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "4",
+            "--val-size",
+            "3",
+            "--no-test",
+            "--name",
+            "foxes",
+        ]
+    )
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["init"]["new_labels"] == [] and "fox" in summary["init"]["kept_labels"]
     assert ModelMetadata.from_config(capserve.read_config(tmp_path / "ft" / "best")).name == "foxes"
-    assert main(["train", "--model", "cifar10-simple", "--data", str(data), "--out", str(tmp_path / "x"),
-                 "--label-map", "a=b"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                "cifar10-simple",
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / "x"),
+                "--label-map",
+                "a=b",
+            ]
+        )
+        == 2
+    )
     assert "give --init MODEL_DIR too" in capsys.readouterr().err
 
 
 def test_fine_tuning_loads_matching_tensors(run, tmp_path):
     out, _ = run
     source = capserve.load(out / "best")
-    other = capserve.create_model("cifar10-simple", **tiny_overrides("cifar10-simple"), image_size=SIZE,
-                                  labels=("cat", "dog"))  # fmt: skip
+    other = capserve.create_model(
+        "cifar10-simple", **tiny_overrides("cifar10-simple"), image_size=SIZE, labels=("cat", "dog")
+    )
     report = init_from(other, out / "best")
     class_layer = f"capsules.{len(other.capsules) - 1}."
     assert report["new"] and all(k.startswith(class_layer) for k in report["new"])  # two labels, not three
     for name in report["loaded"]:
         assert torch.equal(other.state_dict()[name], source.state_dict()[name])
-    relabelled = capserve.create_model("cifar10-simple", **tiny_overrides("cifar10-simple"), image_size=SIZE,
-                                       labels=("a", "b", "c"))  # fmt: skip
+    relabelled = capserve.create_model(
+        "cifar10-simple", **tiny_overrides("cifar10-simple"), image_size=SIZE, labels=("a", "b", "c")
+    )
     same_shapes = init_from(relabelled, out / "best")  # same shapes, other labels: the class layer starts afresh
     assert any(k.startswith(class_layer) for k in same_shapes["new"])
     two = write_folder(tmp_path / "two", train=4)
     for p in (two / LABELS[2]).rglob("*.*"):
         p.unlink()
-    code = main(["train", "--init", str(out / "best"), "--data", str(two), "--out", str(tmp_path / "ft"),
-                 "--epochs", "1", "--batch-size", "4", "--val-size", "2", "--no-test"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--init",
+            str(out / "best"),
+            "--data",
+            str(two),
+            "--out",
+            str(tmp_path / "ft"),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "4",
+            "--val-size",
+            "2",
+            "--no-test",
+        ]
+    )
     assert code == 0
     tuned = capserve.read_config(tmp_path / "ft" / "best")
     assert tuned.labels == LABELS[:2] and tuned.image_size == SIZE and tuned.backbone_channels == 8  # --init's model
@@ -471,8 +582,9 @@ def test_served_model_answers_with_the_users_labels(run, folder, tmp_path):
         wait_ready(proc, url, log)
         picture_file = sorted((folder / "test" / "red fox").glob("*.png"))[0]
         with open(picture_file, "rb") as f:
-            r = httpx.post(f"{url}/classify", files={"image": (picture_file.name, f, "image/png")},
-                           data={"top_k": "3"}, timeout=60)  # fmt: skip
+            r = httpx.post(
+                f"{url}/classify", files={"image": (picture_file.name, f, "image/png")}, data={"top_k": "3"}, timeout=60
+            )
         assert r.status_code == 200, r.text
         predictions = r.json()["predictions"]
         assert sorted(p["label"] for p in predictions) == sorted(LABELS)
@@ -495,8 +607,10 @@ def test_bench_data_refuses_fewer_images_than_its_validation_carve(tmp_path: Pat
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_data.py"
     done = subprocess.run(
         [sys.executable, str(script), "--cifar", str(tmp_path), "--images", "200"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert "--images must be more than 500" in done.stderr
     assert "Traceback" not in done.stderr
@@ -583,8 +697,10 @@ def test_init_skips_tensors_of_another_shape_even_with_as_many_values(tmp_path):
     report = init_from(target, tmp_path / "source")
     ours, theirs = target.state_dict(), source.state_dict()
     mismatched = sorted(k for k in ours if k in theirs and ours[k].shape != theirs[k].shape)
-    assert "primary.conv.weight" in mismatched and ours["primary.conv.weight"].numel() == theirs[
-        "primary.conv.weight"].numel()  # fmt: skip
+    assert (
+        "primary.conv.weight" in mismatched
+        and ours["primary.conv.weight"].numel() == theirs["primary.conv.weight"].numel()
+    )
     assert set(mismatched) <= set(report["new"])  # listed as new, left as initialised
     for name in report["new"]:
         assert torch.equal(ours[name], fresh[name])

@@ -74,9 +74,19 @@ def test_the_boundary_counts_every_split(tmp_path):
 
 def test_training_with_exactly_one_percent_unreadable_runs_and_reports_them(tmp_path):
     root = write(tmp_path / "data", 100, 1)
-    config = TrainConfig(model="cifar10-simple", data=str(root), out=str(tmp_path / "run"),
-                         overrides=tiny_overrides("cifar10-simple"), epochs=1, batch_size=16, lr=0.05,
-                         eval_batch_size=32, device="cpu", image_size=SIZE, val_size=10)  # fmt: skip
+    config = TrainConfig(
+        model="cifar10-simple",
+        data=str(root),
+        out=str(tmp_path / "run"),
+        overrides=tiny_overrides("cifar10-simple"),
+        epochs=1,
+        batch_size=16,
+        lr=0.05,
+        eval_batch_size=32,
+        device="cpu",
+        image_size=SIZE,
+        val_size=10,
+    )
     summary = train(config)
     assert summary["skipped_images"] == 1
     (root / LABELS[1] / "0001.png").write_bytes(b"not an image either")  # a second one: 2 % of the files

@@ -277,8 +277,10 @@ def test_cli_export_several_iterations_and_verify(checkpoint, tmp_path, capsys):
     for i in range(3):  # other sizes and modes than the model's: verify resizes and converts
         Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(images / f"{i}.png")
     Image.fromarray(rng.integers(0, 256, (20, 20), dtype=np.uint8)).save(images / "gray.jpg")
-    assert main(["verify", str(paths[0]), "--against", str(checkpoint), "--images", str(images),
-                 "--batch-sizes", "2,7"]) == 0  # fmt: skip
+    assert (
+        main(["verify", str(paths[0]), "--against", str(checkpoint), "--images", str(images), "--batch-sizes", "2,7"])
+        == 0
+    )
     assert f"images from {images}" in capsys.readouterr().out
 
 
@@ -314,8 +316,10 @@ def test_cli_verify_fails_beyond_tolerance(exports, capsys):
     checkpoint = path.parent / "cifar10-simple"
     assert main(["verify", str(path), "--against", str(checkpoint), "--batch-sizes", "4"]) == 0
     capsys.readouterr()
-    assert main(["verify", str(path), "--against", str(checkpoint), "--batch-sizes", "4", "--atol", "0",
-                 "--rtol", "0"]) == 1  # fmt: skip
+    assert (
+        main(["verify", str(path), "--against", str(checkpoint), "--batch-sizes", "4", "--atol", "0", "--rtol", "0"])
+        == 1
+    )
     assert "FAIL" in capsys.readouterr().out
 
 
@@ -346,8 +350,17 @@ def test_verify_judges_multi_label_models_by_their_label_decisions():
     from capserve.export.verify import decisions
     from capserve.runtime import ModelMetadata
 
-    meta = ModelMetadata(name="m", task="multi_label", labels=("a", "b", "c"), in_channels=1, image_size=8,
-                         mean=(0.0,), std=(1.0,), iterations=2, thresholds=(0.5, 0.9, 0.5))  # fmt: skip
+    meta = ModelMetadata(
+        name="m",
+        task="multi_label",
+        labels=("a", "b", "c"),
+        in_channels=1,
+        image_size=8,
+        mean=(0.0,),
+        std=(1.0,),
+        iterations=2,
+        thresholds=(0.5, 0.9, 0.5),
+    )
     logits = np.array([[3.0, 1.0, -3.0], [3.0, 3.0, -3.0]])  # sigmoid(1) = 0.73 < 0.9: "b" is out in row 0
     np.testing.assert_array_equal(decisions(logits, meta), [[True, False, False], [True, True, False]])
     single = ModelMetadata(**{**meta.__dict__, "task": "single_label", "thresholds": None})

@@ -125,8 +125,24 @@ def test_the_gate_refuses_a_quantization_calibrated_on_blank_images(tmp_path, co
     # int8 holds on the blank images it was calibrated on and fails on real ones: the calibration is named first
     causes = str(e.value).split("Likelier causes, in order:")[1]
     assert causes.strip().startswith("(1) the calibration images (10 of --calibration"), causes
-    assert main(["export", "onnx", str(CIFAR10), "-o", str(out), "--int8", "--calibration", str(blank),
-                 "--calibration-images", "10", "--force"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "export",
+                "onnx",
+                str(CIFAR10),
+                "-o",
+                str(out),
+                "--int8",
+                "--calibration",
+                str(blank),
+                "--calibration-images",
+                "10",
+                "--force",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "written with --force below the bound 0.97" in printed and read_summary(out).forced
     assert read_summary(out).agreement < MIN_AGREEMENT
@@ -186,8 +202,12 @@ def test_the_served_int8_graph_answers_like_load_runtime(int8_file, tmp_path):
         images, _ = real_images.cifar10()
         runtime = load_runtime(path)
         for image in images[100:104]:
-            r = httpx.post(f"{url}/classify", files={"image": ("x.png", real_images.png(image), "image/png")},
-                           data={"top_k": "10"}, timeout=60)  # fmt: skip
+            r = httpx.post(
+                f"{url}/classify",
+                files={"image": ("x.png", real_images.png(image), "image/png")},
+                data={"top_k": "10"},
+                timeout=60,
+            )
             assert r.status_code == 200, r.text
             got = np.zeros(10)
             for p in r.json()["predictions"]:
@@ -216,8 +236,25 @@ def test_tensorrt_int8_builds_from_the_qdq_graph(tmp_path, data, int8_file, monk
         export_trt.build_engine(CIFAR10 / "model.onnx", tmp_path / "m.plan", int8=True)
 
     onnx_file = tmp_path / "model-trt.onnx"
-    assert main(["export", "onnx", str(CIFAR10), "-o", str(onnx_file), "--int8", "--calibration", str(data),
-                 "--calibration-images", "16", "--int8-target", "tensorrt"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "export",
+                "onnx",
+                str(CIFAR10),
+                "-o",
+                str(onnx_file),
+                "--int8",
+                "--calibration",
+                str(data),
+                "--calibration-images",
+                "16",
+                "--int8-target",
+                "tensorrt",
+            ]
+        )
+        == 0
+    )
     assert main(["export", "tensorrt", str(onnx_file), "-o", str(tmp_path / "m.plan"), "--int8"]) == 0
     parsed = [c for c in trt.calls if c[0] == "parse"]
     assert parsed and parsed[0][1] > 0 and ("set_flag", "INT8") in trt.calls and ("create_network", 0) in trt.calls

@@ -125,8 +125,9 @@ class Table:
 
 def gate_case(images: int, disagreeing: int, task: str = "single_label") -> tuple[Table, Table, np.ndarray]:
     labels = tuple(str(c) for c in range(10))
-    meta = ModelMetadata(name="m", task=task, labels=labels, in_channels=1, image_size=2, mean=(0.5,), std=(0.5,),
-                         iterations=None)  # fmt: skip
+    meta = ModelMetadata(
+        name="m", task=task, labels=labels, in_channels=1, image_size=2, mean=(0.5,), std=(0.5,), iterations=None
+    )
     fp32 = np.full((images, 10), -3.0, np.float32)
     fp32[np.arange(images), np.arange(images) % 10] = 3.0
     int8 = fp32.copy()
@@ -137,15 +138,18 @@ def gate_case(images: int, disagreeing: int, task: str = "single_label") -> tupl
 
 
 @pytest.mark.parametrize("task", ["single_label", "multi_label"])
-@pytest.mark.parametrize(("images", "disagreeing", "bound", "passed"), [
-    (100, 3, 0.97, True),  # exactly at the bound: at or above passes
-    (100, 4, 0.97, False),  # one image under it
-    (100, 2, 0.97, True),
-    (1000, 30, MIN_AGREEMENT, True),  # the default bound on the default number of gate images
-    (1000, 31, MIN_AGREEMENT, False),
-    (50, 0, 1.0, True),
-    (50, 1, 1.0, False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("images", "disagreeing", "bound", "passed"),
+    [
+        (100, 3, 0.97, True),  # exactly at the bound: at or above passes
+        (100, 4, 0.97, False),  # one image under it
+        (100, 2, 0.97, True),
+        (1000, 30, MIN_AGREEMENT, True),  # the default bound on the default number of gate images
+        (1000, 31, MIN_AGREEMENT, False),
+        (50, 0, 1.0, True),
+        (50, 1, 1.0, False),
+    ],
+)
 def test_the_gate_passes_at_exactly_its_bound(task, images, disagreeing, bound, passed):
     fp32, int8, held_out = gate_case(images, disagreeing, task)
     report = score(fp32, int8, held_out, None, "test", bound)
@@ -185,8 +189,9 @@ def test_a_refusal_of_a_weak_model_calibrated_on_its_training_folder_blames_its_
     """Calibrated on the very folder it was trained on, a weak model's refusal must not blame the calibration images
     first: it says what it measured (margins, int8's error, per-class agreement) and names near-ties first."""
     with pytest.raises(Int8GateError) as e:
-        export_int8(weak_model, weak_model / "int8.onnx", three_splits, images=32, min_agreement=0.99,
-                    max_float_nodes=0)  # fmt: skip
+        export_int8(
+            weak_model, weak_model / "int8.onnx", three_splits, images=32, min_agreement=0.99, max_float_nodes=0
+        )
     text = str(e.value)
     assert text.startswith("not written: int8 vs fp32 top-1 agreement") and "--force" in text
     assert "Measured: fp32's margins (top-1 minus runner-up logit): median" in text

@@ -220,8 +220,9 @@ def test_a_cnn_learns_and_evaluate_reports_it_without_iterations(tmp_path, capsy
     cifar = write_easy_cifar10(tmp_path / "cifar")
     out = tmp_path / "run"
     overrides = {**tiny_overrides("cifar10-simple"), "head": "avgpool"}  # a CNN on the simple backbone: fast
-    summary = train(cfg("cifar10-simple", cifar, out, overrides=overrides, epochs=6, batch_size=8, lr=0.1,
-                        schedule="cosine"))  # fmt: skip
+    summary = train(
+        cfg("cifar10-simple", cifar, out, overrides=overrides, epochs=6, batch_size=8, lr=0.1, schedule="cosine")
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["train_loss"] < 0.7 * rows[0]["train_loss"], rows
     assert summary["test_acc"] >= 0.5, summary  # colour-coded classes (chance 0.1)
@@ -260,8 +261,9 @@ def test_service_torch_backend_serves_a_cnn_and_explain_says_why_not(checkpoints
     from capserve.serving.settings import Settings
 
     single, multi = checkpoints["cifar10-resnet18"], checkpoints["multimnist-cnn-fc-small"]
-    settings = Settings(model=str(single), multilabel_model=str(multi), backend="torch", precision="fp32",
-                        max_batch_size=1)  # fmt: skip
+    settings = Settings(
+        model=str(single), multilabel_model=str(multi), backend="torch", precision="fp32", max_batch_size=1
+    )
     capsules = Capsules(settings, error=lambda e: e)  # RequestErrors raised as they are
     assert capsules.explainer is None
     image = tmp_path / "image.png"
@@ -287,8 +289,11 @@ def test_service_over_http_serves_cnns(checkpoints, tmp_path):
 
     for name in ("cifar10-resnet18", "multimnist-cnn-fc-small"):
         export_checkpoint(checkpoints[name], checkpoints[name] / "model.onnx")
-    proc, url, log = start_server(tmp_path, CAPSERVE_MODEL=str(checkpoints["cifar10-resnet18"]),
-                                  CAPSERVE_MULTILABEL_MODEL=str(checkpoints["multimnist-cnn-fc-small"]))  # fmt: skip
+    proc, url, log = start_server(
+        tmp_path,
+        CAPSERVE_MODEL=str(checkpoints["cifar10-resnet18"]),
+        CAPSERVE_MULTILABEL_MODEL=str(checkpoints["multimnist-cnn-fc-small"]),
+    )
     try:
         wait_ready(proc, url, log)
         with httpx.Client(base_url=url, timeout=60) as client:

@@ -33,8 +33,11 @@ def test_shipped_weights_are_the_ones_the_onnx_files_were_exported_from(name):
         meta = load_runtime(directory / artifact).metadata
         assert meta.weights_sha256 == digest, f"{artifact} was exported from other weights than model.safetensors"
         assert (meta.name, meta.labels, meta.iterations, meta.thresholds) == (
-            config.name, tuple(config.labels), config.iterations, config.thresholds
-        )  # fmt: skip
+            config.name,
+            tuple(config.labels),
+            config.iterations,
+            config.thresholds,
+        )
         assert (meta.mean, meta.std, meta.image_size) == (tuple(config.mean), tuple(config.std), config.image_size)
 
 

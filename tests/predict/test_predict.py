@@ -62,8 +62,12 @@ def test_sources_in_order_folders_globs_manifests_and_stdin(folder, tmp_path):
     manifest = tmp_path / "list.csv"
     manifest.write_text("image,labels\na/3.png,x\n" + f"{folder / 'a' / '1.png'},y\n")
     (tmp_path / "a").symlink_to(folder / "a")
-    got = list(expand([str(folder / "a" / "4.png"), str(folder / "a" / "[02].png"), str(manifest), "-"],
-                      stdin=io.StringIO(f"{folder / 'b' / 'photo.jpg'}\n\n")))  # fmt: skip
+    got = list(
+        expand(
+            [str(folder / "a" / "4.png"), str(folder / "a" / "[02].png"), str(manifest), "-"],
+            stdin=io.StringIO(f"{folder / 'b' / 'photo.jpg'}\n\n"),
+        )
+    )
     assert [Path(p).name for p in got] == ["4.png", "0.png", "2.png", "3.png", "1.png", "photo.jpg"]
     with pytest.raises(Exception, match="matches no file"):
         list(expand([str(folder / "*.gif")]))
@@ -73,15 +77,16 @@ def test_answers_are_the_services_own(folder, tmp_path, capsys):
     """Every row is the JSON body /classify or /multilabel gives for the same file (batching off on both sides)."""
     out_c, out_m = tmp_path / "c.jsonl", tmp_path / "m.jsonl"
     assert main(["predict", CIFAR10, str(folder), "--out", str(out_c), "--batch-size", "1", "--top-k", "3"]) == 0
-    assert main(["predict", MULTIMNIST, str(folder), "--out", str(out_m), "--batch-size", "1",
-                 "--threshold", "0.3"]) == 0  # fmt: skip
-    with in_process_service(tmp_path, CAPSERVE_MODEL=CIFAR10, CAPSERVE_MULTILABEL_MODEL=MULTIMNIST,
-                            CAPSERVE_MAX_BATCH_SIZE="1") as client:  # fmt: skip
+    assert (
+        main(["predict", MULTIMNIST, str(folder), "--out", str(out_m), "--batch-size", "1", "--threshold", "0.3"]) == 0
+    )
+    with in_process_service(
+        tmp_path, CAPSERVE_MODEL=CIFAR10, CAPSERVE_MULTILABEL_MODEL=MULTIMNIST, CAPSERVE_MAX_BATCH_SIZE="1"
+    ) as client:
         for route, out, params in (("/classify", out_c, {"top_k": "3"}), ("/multilabel", out_m, {"threshold": "0.3"})):
             for row in rows(out):
                 path = Path(row.pop("path"))
-                served = client.post(route, files={"image": (path.name, path.read_bytes(), "image/png")},
-                                     data=params)  # fmt: skip
+                served = client.post(route, files={"image": (path.name, path.read_bytes(), "image/png")}, data=params)
                 body = served.json()
                 if "error" in row:
                     assert served.status_code == 400 and body == {"error": row["error"]}, path
@@ -97,8 +102,9 @@ def test_a_batch_answers_as_single_images_do(folder, tmp_path):
         assert a["path"] == b["path"] and a.get("error") == b.get("error")
         if "error" not in a:
             assert [p["label"] for p in a["predictions"]] == [p["label"] for p in b["predictions"]]
-            np.testing.assert_allclose([p["probability"] for p in a["predictions"]],
-                                       [p["probability"] for p in b["predictions"]], atol=1e-5)  # fmt: skip
+            np.testing.assert_allclose(
+                [p["probability"] for p in a["predictions"]], [p["probability"] for p in b["predictions"]], atol=1e-5
+            )
 
 
 def test_bad_files_are_rows_and_the_exit_status_counts_them(folder, tmp_path, capsys):
@@ -137,8 +143,18 @@ def test_a_killed_run_resumed_loses_nothing_and_repeats_nothing(tmp_path):
     for i in range(240):
         (images / f"{i:04d}.png").write_bytes(random_png(i % 7, (32, 32)))
     out = tmp_path / "out.csv"
-    cmd = [sys.executable, "-m", "capserve.cli", "predict", CIFAR10, str(images), "--out", str(out),
-           "--batch-size", "8"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "capserve.cli",
+        "predict",
+        CIFAR10,
+        str(images),
+        "--out",
+        str(out),
+        "--batch-size",
+        "8",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -173,8 +189,9 @@ def test_the_ray_data_recipe(folder, tmp_path, monkeypatch):
     try:
         paths = sorted(str(p) for p in (folder / "a").iterdir()) * 6  # 30 images
         ds = ray.data.from_items([{"path": p} for p in paths])
-        answered = ds.map_batches(Predictor, fn_constructor_kwargs={"model": CIFAR10, "top_k": 1}, batch_size=8,
-                                  concurrency=1)  # fmt: skip
+        answered = ds.map_batches(
+            Predictor, fn_constructor_kwargs={"model": CIFAR10, "top_k": 1}, batch_size=8, concurrency=1
+        )
         answered.write_csv(str(tmp_path / "ray-out"))
         table = [r for f in sorted((tmp_path / "ray-out").glob("*.csv")) for r in csv.DictReader(f.open())]
     finally:

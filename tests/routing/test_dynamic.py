@@ -232,8 +232,10 @@ def test_served_over_http_like_any_model(tmp_path):
 
     single = tiny_model("cifar10-simple-dynamic")
     multi = tiny_model("multimnist-capsnet-small")
-    env = dict(CAPSERVE_MODEL=str(export(single, tmp_path / "single", explain=True)),
-               CAPSERVE_MULTILABEL_MODEL=str(export(multi, tmp_path / "multi", explain=False)))  # fmt: skip
+    env = dict(
+        CAPSERVE_MODEL=str(export(single, tmp_path / "single", explain=True)),
+        CAPSERVE_MULTILABEL_MODEL=str(export(multi, tmp_path / "multi", explain=False)),
+    )
     proc, url, log = start_server(tmp_path, **env)
     try:
         wait_ready(proc, url, log)

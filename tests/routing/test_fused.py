@@ -101,8 +101,9 @@ def test_every_model_with_fused_steps_gives_the_eager_logits(fused, monkeypatch,
     shrunk; T = 1..5, batch 3, blocks of at least 2 rows (rows left over where they do not divide). The steps with
     at least 32 parents fuse; the class capsule steps with 10 parents do not."""
     config = capserve.get_config(name)
-    model = tiny_model(name, capsules=config.capsules, pose_dim=config.pose_dim, image_size=24,
-                       routing=routing_order).double()  # fmt: skip
+    model = tiny_model(
+        name, capsules=config.capsules, pose_dim=config.pose_dim, image_size=24, routing=routing_order
+    ).double()
     x = tiny_input(model, 3).double()
     many_parents = [layer for layer in model.capsules if layer.weight.shape[1] >= FUSED_MIN_PARENTS]
     # blocks of 2 rows for cifar100's 20 → 100 capsules and for the second conv capsule layer, 3 for the first
@@ -163,10 +164,16 @@ def test_a_failed_compile_warns_once_and_routes_eagerly(fused, monkeypatch, capl
 @pytest.mark.parametrize(
     "case",
     [
-        "switched off", "too few votes", "too few parents", "long pose rows", "coefficients kept", "recording grads",
-        "autocast", "on a compile trace",
+        "switched off",
+        "too few votes",
+        "too few parents",
+        "long pose rows",
+        "coefficients kept",
+        "recording grads",
+        "autocast",
+        "on a compile trace",
     ],
-)  # fmt: skip
+)
 def test_steps_that_do_not_fuse(fused, monkeypatch, case):
     """Fusing is for plain CPU inference of big steps with many parents and short pose rows; the rest is eager."""
     kwargs = {"too few parents": dict(J=16), "long pose rows": dict(D=16, X=16)}.get(case, {})
@@ -184,8 +191,9 @@ def test_steps_that_do_not_fuse(fused, monkeypatch, case):
                 routing_step(children.float(), weight.float(), parents.float(), layer_norm)
         else:
             new, _ = routing_step(children, weight, parents, layer_norm, keep_coefficients=keep)
-            torch.testing.assert_close(new, unblocked_step(children, weight, parents, layer_norm)[0], rtol=0,
-                                       atol=1e-10)  # fmt: skip
+            torch.testing.assert_close(
+                new, unblocked_step(children, weight, parents, layer_norm)[0], rtol=0, atol=1e-10
+            )
     assert fused == []
 
 

@@ -20,8 +20,12 @@ def test_conv_children_are_the_windows(kernel, stride):
     assert children.shape == (B, side * side, kernel * kernel * I, D)
     for h in range(side):
         for w in range(side):
-            window = [u[:, h * stride + dy, w * stride + dx, i] for dy in range(kernel) for dx in range(kernel)
-                      for i in range(I)]  # fmt: skip
+            window = [
+                u[:, h * stride + dy, w * stride + dx, i]
+                for dy in range(kernel)
+                for dx in range(kernel)
+                for i in range(I)
+            ]
             torch.testing.assert_close(children[:, h * side + w], torch.stack(window, dim=1))
 
 

@@ -27,9 +27,17 @@ def logit(p: float) -> float:
 
 
 def metadata(labels: int, thresholds: tuple[float, ...] | None = None) -> ModelMetadata:
-    return ModelMetadata(name="m", task="multi_label", labels=tuple(str(c) for c in range(labels)), in_channels=3,
-                         image_size=36, mean=(0.5,) * 3, std=(0.5,) * 3, iterations=None,
-                         thresholds=thresholds)  # fmt: skip
+    return ModelMetadata(
+        name="m",
+        task="multi_label",
+        labels=tuple(str(c) for c in range(labels)),
+        in_channels=3,
+        image_size=36,
+        mean=(0.5,) * 3,
+        std=(0.5,) * 3,
+        iterations=None,
+        thresholds=thresholds,
+    )
 
 
 # ------------------------------------------------------------------------------------------ the rule
@@ -119,8 +127,12 @@ def service(tmp_path_factory):
         model.classifier.weight.zero_()
         model.classifier.bias.copy_(torch.tensor(CONSTANT_LOGITS))
     multi = export(model, tmp / "constant", explain=False)
-    with in_process_service(tmp, CAPSERVE_MODEL=str(ROOT / "models" / "cifar10"), CAPSERVE_MULTILABEL_MODEL=str(multi),
-                            CAPSERVE_MAX_BATCH_SIZE="1") as client:  # fmt: skip
+    with in_process_service(
+        tmp,
+        CAPSERVE_MODEL=str(ROOT / "models" / "cifar10"),
+        CAPSERVE_MULTILABEL_MODEL=str(multi),
+        CAPSERVE_MAX_BATCH_SIZE="1",
+    ) as client:
         yield client
 
 
@@ -141,8 +153,9 @@ def test_a_threshold_equal_to_a_returned_probability_answers_that_label(service)
     written to JSON and read back are the same number, and at or above is answered."""
     first = service.post("/multilabel", content=IMAGE, headers={"content-type": "image/png"}).json()
     for label, p in first["probabilities"].items():
-        r = service.post("/multilabel", params={"threshold": repr(p)}, content=IMAGE,
-                         headers={"content-type": "image/png"})  # fmt: skip
+        r = service.post(
+            "/multilabel", params={"threshold": repr(p)}, content=IMAGE, headers={"content-type": "image/png"}
+        )
         assert r.status_code == 200, r.text
         answered = {a["label"] for a in r.json()["labels"]}
         assert label in answered, (label, p, r.json())

@@ -53,8 +53,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def test_precision_setting_parses_and_defaults_to_auto():
     assert Settings.from_env({}).precision == "auto"
     assert Settings.from_env({}).bf16_min_agreement == P.MIN_AGREEMENT
-    s = Settings.from_env({"CAPSERVE_BACKEND": "torch", "CAPSERVE_PRECISION": " BF16 ",
-                           "CAPSERVE_BF16_MIN_AGREEMENT": "0.75"})  # fmt: skip
+    s = Settings.from_env(
+        {"CAPSERVE_BACKEND": "torch", "CAPSERVE_PRECISION": " BF16 ", "CAPSERVE_BF16_MIN_AGREEMENT": "0.75"}
+    )
     assert (s.backend, s.precision, s.bf16_min_agreement) == ("torch", "bf16", 0.75)
     for precision in ("fp32", "auto"):  # every backend serves these
         for backend in ("onnxruntime", "torch", "tensorrt"):
@@ -159,8 +160,17 @@ def test_resolve_precision(monkeypatch, caplog):
 
 
 def metadata(task: str, thresholds: tuple[float, ...] | None = None) -> ModelMetadata:
-    return ModelMetadata(name="m", task=task, labels=("a", "b", "c"), in_channels=1, image_size=8, mean=(0.5,),
-                         std=(0.5,), iterations=1, thresholds=thresholds)  # fmt: skip
+    return ModelMetadata(
+        name="m",
+        task=task,
+        labels=("a", "b", "c"),
+        in_channels=1,
+        image_size=8,
+        mean=(0.5,),
+        std=(0.5,),
+        iterations=1,
+        thresholds=thresholds,
+    )
 
 
 def test_agreement_is_top1_for_single_label_and_the_label_set_for_multi_label():

@@ -146,9 +146,19 @@ def test_corrupt_truncated_and_foreign_files(onnx_file, tmp_path):
 
 def sidecar_for(engine: bytes, **changes) -> EngineSidecar:
     meta = ModelMetadata.from_config(tiny_model(NAME).config, 2)
-    fields = dict(tensorrt_version="10.13.0", gpu_name="NVIDIA H200", onnx_sha256="ab" * 32,
-                  engine_sha256=__import__("hashlib").sha256(engine).hexdigest(), min_batch=1, opt_batch=8,
-                  max_batch=32, input_name="images", outputs=("logits",), precision="fp32", metadata=meta)  # fmt: skip
+    fields = dict(
+        tensorrt_version="10.13.0",
+        gpu_name="NVIDIA H200",
+        onnx_sha256="ab" * 32,
+        engine_sha256=__import__("hashlib").sha256(engine).hexdigest(),
+        min_batch=1,
+        opt_batch=8,
+        max_batch=32,
+        input_name="images",
+        outputs=("logits",),
+        precision="fp32",
+        metadata=meta,
+    )
     return EngineSidecar(**{**fields, **changes})
 
 
@@ -314,8 +324,9 @@ def test_runtime_refuses_a_mismatched_engine_before_deserialising(tmp_path, monk
 def test_tensorrt_cli_reports_missing_tensorrt(onnx_file, tmp_path, capsys):
     from capserve.cli import main
 
-    rc = main(["export", "tensorrt", str(onnx_file), "-o", str(tmp_path / "m.plan"), "--min-batch", "9",
-               "--opt-batch", "4"])  # fmt: skip
+    rc = main(
+        ["export", "tensorrt", str(onnx_file), "-o", str(tmp_path / "m.plan"), "--min-batch", "9", "--opt-batch", "4"]
+    )
     assert rc == 2 and "--min-batch <= --opt-batch" in capsys.readouterr().err
     if not HAS_TENSORRT:
         assert main(["export", "tensorrt", str(onnx_file), "-o", str(tmp_path / "m.plan")]) == 2

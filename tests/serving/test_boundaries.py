@@ -33,9 +33,14 @@ BOUNDARY = "capserve-boundary"
 def service(tiny_cifar10, tmp_path_factory):
     """As ``capserve serve MODEL`` starts it (no multi-label model), with a key of the minimum length."""
     env = server_environment(argparse.Namespace(model=str(tiny_cifar10), multilabel_model=None), {})
-    with in_process_service(tmp_path_factory.mktemp("boundaries"), CAPSERVE_MODEL=env["CAPSERVE_MODEL"],
-                            CAPSERVE_MULTILABEL_MODEL=env["CAPSERVE_MULTILABEL_MODEL"], CAPSERVE_API_KEYS=MIN_KEY,
-                            CAPSERVE_MAX_BYTES=str(MAX_BYTES), CAPSERVE_MAX_BATCH_SIZE="1") as client:  # fmt: skip
+    with in_process_service(
+        tmp_path_factory.mktemp("boundaries"),
+        CAPSERVE_MODEL=env["CAPSERVE_MODEL"],
+        CAPSERVE_MULTILABEL_MODEL=env["CAPSERVE_MULTILABEL_MODEL"],
+        CAPSERVE_API_KEYS=MIN_KEY,
+        CAPSERVE_MAX_BYTES=str(MAX_BYTES),
+        CAPSERVE_MAX_BATCH_SIZE="1",
+    ) as client:
         client.headers.update(AUTH)
         yield client
 
@@ -75,8 +80,9 @@ def test_a_body_of_exactly_max_bytes_is_served_and_one_byte_more_is_413(service)
         image = png_of_size(size)
         declared = service.post("/classify", content=image, headers={"content-type": "image/png"})
         assert declared.status_code == status, (size, declared.text)
-        chunked = service.post("/classify", content=iter([image[:1000], image[1000:]]),
-                               headers={"content-type": "image/png"})  # fmt: skip
+        chunked = service.post(
+            "/classify", content=iter([image[:1000], image[1000:]]), headers={"content-type": "image/png"}
+        )
         assert "content-length" not in chunked.request.headers
         assert chunked.status_code == status, (size, chunked.text)
         if status == 413:
@@ -182,8 +188,10 @@ def test_the_501_of_capserve_serve_model_names_the_option_and_the_variable(servi
     """``capserve serve MODEL`` serves no multi-label model: /multilabel's 501 says how to start one with the
     command the user typed as well as with the variable, and is logged as the expected state it is, not as an
     error."""
-    requests = [("/multilabel", {"content": png_of_size(1500), "headers": {"content-type": "image/png"}}),
-                ("/multilabel_logits", {"json": {"images": np.zeros((1, 3, 36, 36), int).tolist()}})]  # fmt: skip
+    requests = [
+        ("/multilabel", {"content": png_of_size(1500), "headers": {"content-type": "image/png"}}),
+        ("/multilabel_logits", {"json": {"images": np.zeros((1, 3, 36, 36), int).tolist()}}),
+    ]
     with caplog.at_level(logging.INFO):
         for path, request in requests:
             r = service.post(path, **request)
@@ -199,8 +207,9 @@ def http_error_record(status: int) -> logging.LogRecord:
     from capserve.serving.app import RequestError, http_error
 
     error = http_error(RequestError(status, "x"))
-    return logging.LogRecord("bentoml", logging.ERROR, __file__, 1, "Exception on /explain", None,
-                             (type(error), error, None))  # fmt: skip
+    return logging.LogRecord(
+        "bentoml", logging.ERROR, __file__, 1, "Exception on /explain", None, (type(error), error, None)
+    )
 
 
 def test_bentoml_traceback_is_dropped_for_501_and_kept_for_500():

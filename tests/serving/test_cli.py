@@ -42,12 +42,15 @@ def test_serve_sets_the_model_and_no_default_multilabel_model():
     assert "CAPSERVE_MODEL" not in server_environment(argparse.Namespace(model=None, multilabel_model=None), {})
 
 
-@pytest.mark.parametrize("argv, env, message", [
-    (["serve", "runs/nosuch"], {}, "MODEL 'runs/nosuch' is not a file, a folder"),
-    (["serve", "MODEL", "--multilabel-model", "nope"], {}, "--multilabel-model none"),
-    (["serve", "MODEL"], {"CAPSERVE_MAX_BATCH_SIZE": "lots"}, "CAPSERVE_MAX_BATCH_SIZE='lots' is not an integer"),
-    (["serve", "MODEL", "--port", "70000"], {}, "--port must be in 1..65535"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (["serve", "runs/nosuch"], {}, "MODEL 'runs/nosuch' is not a file, a folder"),
+        (["serve", "MODEL", "--multilabel-model", "nope"], {}, "--multilabel-model none"),
+        (["serve", "MODEL"], {"CAPSERVE_MAX_BATCH_SIZE": "lots"}, "CAPSERVE_MAX_BATCH_SIZE='lots' is not an integer"),
+        (["serve", "MODEL", "--port", "70000"], {}, "--port must be in 1..65535"),
+    ],
+)
 def test_serve_refuses_in_one_line_before_starting(model_dir, capsys, monkeypatch, argv, env, message):
     for name, value in env.items():
         monkeypatch.setenv(name, value)

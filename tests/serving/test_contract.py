@@ -42,11 +42,16 @@ def served(tmp_path_factory) -> dict:
         "multimnist": export(tiny_model("multimnist-matrix-small", thresholds=THRESHOLDS), tmp / "multimnist", False),
     }
     (tmp / "keys").write_text(f"# API keys\n{KEYS[0]}\n\n{KEYS[1]}\n")
-    proc, url, log = start_server(tmp, CAPSERVE_MODEL=str(models["cifar10"]),
-                                  CAPSERVE_MULTILABEL_MODEL=str(models["multimnist"]),
-                                  CAPSERVE_API_KEYS=f"@{tmp / 'keys'}", CAPSERVE_MAX_PIXELS=str(MAX_PIXELS),
-                                  CAPSERVE_MAX_BATCH_SIZE="16", CAPSERVE_MAX_LATENCY_MS="30000",
-                                  CAPSERVE_MAX_BYTES="300000")  # fmt: skip
+    proc, url, log = start_server(
+        tmp,
+        CAPSERVE_MODEL=str(models["cifar10"]),
+        CAPSERVE_MULTILABEL_MODEL=str(models["multimnist"]),
+        CAPSERVE_API_KEYS=f"@{tmp / 'keys'}",
+        CAPSERVE_MAX_PIXELS=str(MAX_PIXELS),
+        CAPSERVE_MAX_BATCH_SIZE="16",
+        CAPSERVE_MAX_LATENCY_MS="30000",
+        CAPSERVE_MAX_BYTES="300000",
+    )
     try:
         wait_ready(proc, url, log)  # /readyz answers without a key
         yield {"url": url, "log": log, "tmp": tmp, "models": models}
@@ -66,9 +71,20 @@ def contract_schema(served):
 
 
 # every operation of the document (the test below fails when one appears or goes, so that it is fuzzed)
-OPERATIONS = ("GET /healthz", "GET /livez", "GET /readyz", "GET /metrics", "POST /classify", "POST /classify_batch",
-              "POST /explain", "POST /logits", "GET /model", "POST /model", "POST /multilabel",
-              "POST /multilabel_logits")  # fmt: skip
+OPERATIONS = (
+    "GET /healthz",
+    "GET /livez",
+    "GET /readyz",
+    "GET /metrics",
+    "POST /classify",
+    "POST /classify_batch",
+    "POST /explain",
+    "POST /logits",
+    "GET /model",
+    "POST /model",
+    "POST /multilabel",
+    "POST /multilabel_logits",
+)
 
 
 def test_the_document_lists_every_operation(contract_schema):
@@ -87,8 +103,9 @@ def test_the_fuzzer_finds_no_server_error_and_nothing_undocumented(contract_sche
     for mode in (GenerationMode.POSITIVE,) if open_probe else (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
 
         @given(case=operation.as_strategy(mode))
-        @settings(max_examples=40, derandomize=True, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=40, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
         def fuzz(case) -> None:
             case.call_and_validate(headers=AUTH, checks=checks)
 
@@ -113,12 +130,18 @@ def test_bentoml_client_calls_every_route(served, tmp_path):
 
 def test_api_keys(served):
     url = served["url"]
-    for headers, challenge in [({}, 'Bearer realm="capserve"'),
-                               ({"Authorization": "Bearer wrong-key-0123456789"}, 'error="invalid_token"'),
-                               ({"Authorization": f"Basic {KEYS[0]}"}, 'Bearer realm="capserve"')]:  # fmt: skip
-        for method, path, request in [("POST", "/classify", upload(random_png(2, (30, 30)))),
-                                      ("GET", "/model", {}), ("GET", "/docs.json", {}), ("GET", "/nothing", {}),
-                                      ("POST", "/logits", {"json": {"images": [[[[0]]]]}})]:  # fmt: skip
+    for headers, challenge in [
+        ({}, 'Bearer realm="capserve"'),
+        ({"Authorization": "Bearer wrong-key-0123456789"}, 'error="invalid_token"'),
+        ({"Authorization": f"Basic {KEYS[0]}"}, 'Bearer realm="capserve"'),
+    ]:
+        for method, path, request in [
+            ("POST", "/classify", upload(random_png(2, (30, 30)))),
+            ("GET", "/model", {}),
+            ("GET", "/docs.json", {}),
+            ("GET", "/nothing", {}),
+            ("POST", "/logits", {"json": {"images": [[[[0]]]]}}),
+        ]:
             r = httpx.request(method, url + path, headers=headers, timeout=30, **request)
             assert r.status_code == 401, (path, r.text)
             assert challenge in r.headers["www-authenticate"] and error_of(r)
@@ -129,7 +152,10 @@ def test_api_keys(served):
         assert httpx.get(url + path, timeout=30).status_code == 200
     document = httpx.get(f"{url}/docs.json", headers=AUTH, timeout=30).json()
     assert document["components"]["securitySchemes"]["bearer"] == {
-        "type": "http", "scheme": "bearer", "description": "one of the keys in CAPSERVE_API_KEYS"}  # fmt: skip
+        "type": "http",
+        "scheme": "bearer",
+        "description": "one of the keys in CAPSERVE_API_KEYS",
+    }
     assert document["paths"]["/classify"]["post"]["security"] == [{"bearer": []}]
     assert document["paths"]["/livez"]["get"]["security"] == []
     log = served["log"].read_text()
@@ -153,8 +179,12 @@ def test_the_document_states_errors_pixels_and_file_types(client):
     images = document["paths"]["/logits"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     pixels = images["properties"]["images"]
     assert pixels["x-shape"] == ["B", 3, 32, 32] and "(B, 3, 32, 32)" in pixels["description"]
-    assert pixels["items"]["items"]["items"]["items"] == {"type": "integer", "minimum": 0, "maximum": 255,
-                                                          "description": "a uint8 pixel"}  # fmt: skip
+    assert pixels["items"]["items"]["items"]["items"] == {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": 255,
+        "description": "a uint8 pixel",
+    }
     form = document["paths"]["/classify_batch"]["post"]["requestBody"]["content"]["multipart/form-data"]
     assert form["encoding"]["images"] == {"contentType": "image/*, application/octet-stream"}
     threshold = document["paths"]["/multilabel"]["post"]["requestBody"]["content"]["multipart/form-data"]
@@ -204,12 +234,15 @@ def test_malformed_pixels_amid_concurrent_good_ones_fail_alone(client, served):
             assert "images" in error_of(r) or "not a parameter" in error_of(r)
 
 
-@pytest.mark.parametrize("path, request_", [
-    ("/model", {"content": b"{}", "headers": {"content-type": "multipart/form-data"}}),
-    ("/logits", {"content": b"{}", "headers": {"content-type": "multipart/form-data"}}),
-    ("/logits", {"content": b"\x80\x03}q", "headers": {"content-type": "application/vnd.bentoml+pickle"}}),
-    ("/multilabel_logits", {"content": b'{"images": [[[[1]]]]}', "headers": {"content-type": "text/plain"}}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, request_",
+    [
+        ("/model", {"content": b"{}", "headers": {"content-type": "multipart/form-data"}}),
+        ("/logits", {"content": b"{}", "headers": {"content-type": "multipart/form-data"}}),
+        ("/logits", {"content": b"\x80\x03}q", "headers": {"content-type": "application/vnd.bentoml+pickle"}}),
+        ("/multilabel_logits", {"content": b'{"images": [[[[1]]]]}', "headers": {"content-type": "text/plain"}}),
+    ],
+)
 def test_json_routes_refuse_other_content_types(client, path, request_):
     r = client.post(path, **request_)
     assert r.status_code == 415, r.text
@@ -224,8 +257,13 @@ def test_json_routes_refuse_malformed_json(client):
 
 
 def test_wrong_methods_are_405(client):
-    for method, path in [("GET", "/classify"), ("DELETE", "/logits"), ("PUT", "/model"), ("POST", "/readyz"),
-                         ("PATCH", "/metrics")]:  # fmt: skip
+    for method, path in [
+        ("GET", "/classify"),
+        ("DELETE", "/logits"),
+        ("PUT", "/model"),
+        ("POST", "/readyz"),
+        ("PATCH", "/metrics"),
+    ]:
         r = client.request(method, path, content=b'{"a": 1}')
         assert r.status_code == 405, (method, path, r.text)
         assert error_of(r)

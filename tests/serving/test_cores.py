@@ -100,8 +100,9 @@ def test_cores_are_never_oversubscribed_under_random_load(tmp_path):
                     active[0] -= 1
                     wide_now[0] = wide_now[0] and not borrowed
 
-    threads = [threading.Thread(target=inference, args=(w, 10 * k + i)) for k, w in enumerate(workers)
-               for i in range(3)]  # fmt: skip
+    threads = [
+        threading.Thread(target=inference, args=(w, 10 * k + i)) for k, w in enumerate(workers) for i in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:

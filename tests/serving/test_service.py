@@ -260,8 +260,13 @@ def test_uploads_are_parsed_once_and_never_written_to_disk(server):
     """RequestGuard parses each body once and hands BentoML the images' bytes: BentoML neither parses the form again
     nor writes each upload to a temporary file (in a per-request folder) for the ``Path`` parameters."""
     files = [("images", ("a.png", GOOD, "image/png"))] * 2
-    for path, request in [("/classify", upload(GOOD)), ("/classify?top_k=2", RAW_PNG), ("/explain", upload(GOOD)),
-                          ("/multilabel", upload(GOOD)), ("/classify_batch", dict(files=files))]:  # fmt: skip
+    for path, request in [
+        ("/classify", upload(GOOD)),
+        ("/classify?top_k=2", RAW_PNG),
+        ("/explain", upload(GOOD)),
+        ("/multilabel", upload(GOOD)),
+        ("/classify_batch", dict(files=files)),
+    ]:
         r = server.post(path, **request)
         assert r.status_code == 200, (path, r.text)
     assert (server.tmp / "tmp").is_dir()
@@ -345,16 +350,20 @@ def test_bad_images_among_concurrent_requests_fail_alone(server, models):
     """Under load, with adaptive batching on: a bad image fails its own request with its README status, and the
     good ones sent with it, batched, still equal unbatched answers."""
     runtime = load_runtime(models["cifar10"] / "model.onnx")
-    bad = {"not-an-image": (b"hello, world" * 10, 400), "1x1": (encode(np.zeros((1, 1, 3), np.uint8)), 422),
-           "over-pixel-limit": (png_header_only(1200, 1000), 413)}  # fmt: skip
+    bad = {
+        "not-an-image": (b"hello, world" * 10, 400),
+        "1x1": (encode(np.zeros((1, 1, 3), np.uint8)), 422),
+        "over-pixel-limit": (png_header_only(1200, 1000), 413),
+    }
     requests = [(random_png(200 + i), 200) for i in range(24)]
     for i, (data, status) in enumerate(bad.values()):
         requests[4 + 7 * i : 4 + 7 * i] = [(data, status)]
 
     async def send_all() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=str(server.base_url), timeout=120) as client:
-            return await asyncio.gather(*(client.post("/classify", **upload(d), data={"top_k": "10"})
-                                          for d, _ in requests))  # fmt: skip
+            return await asyncio.gather(
+                *(client.post("/classify", **upload(d), data={"top_k": "10"}) for d, _ in requests)
+            )
 
     before = batches(server)
     responses = asyncio.run(send_all())
@@ -368,8 +377,7 @@ def test_bad_images_among_concurrent_requests_fail_alone(server, models):
         got = np.zeros(10)
         for p in r.json()["predictions"]:
             got[p["index"]] = p["probability"]
-        np.testing.assert_allclose(got, softmax(runtime.predict(preprocess(data, runtime.metadata))[0]),
-                                   atol=1e-5)  # fmt: skip
+        np.testing.assert_allclose(got, softmax(runtime.predict(preprocess(data, runtime.metadata))[0]), atol=1e-5)
     count, total = (a - b for a, b in zip(batches(server), before, strict=True))
     assert total >= 24 and count < total, "some of the good images should have been batched"  # bad ones: before
 
@@ -417,14 +425,21 @@ RAW_PNG = {"content": GOOD, "headers": {"content-type": "image/png"}}
 
 # The README's error table, row by row: each row's first words (as in README "Errors") → its requests
 EMPTY, NOT_IMAGE, FORM, PARAMETER, PIXELS = (
-    "an empty body or file", "bytes that are not an image", "a malformed multipart body", "a parameter out of",
+    "an empty body or file",
+    "bytes that are not an image",
+    "a malformed multipart body",
+    "a parameter out of",
     "`/logits`: pixels",
-)  # fmt: skip
+)
 
 
 BYTES, PIXEL_LIMIT, IMAGE_COUNT, MEDIA, SMALL = (
-    "a body over", "an image over", "more than `CAPSERVE_MAX_IMAGES`", "a content type other", "an image under 8",
-)  # fmt: skip
+    "a body over",
+    "an image over",
+    "more than `CAPSERVE_MAX_IMAGES`",
+    "a content type other",
+    "an image under 8",
+)
 
 
 METHOD = "a method the route"
@@ -439,11 +454,17 @@ BAD_INPUTS = {
     "not-an-image-raw": (NOT_IMAGE, "/classify", dict(content=b"%PDF-1.4", headers={"content-type": "image/jpeg"})),
     "truncated-png": (NOT_IMAGE, "/classify", upload(random_png(9, (64, 64))[:700])),
     "truncated-jpeg": (NOT_IMAGE, "/classify", upload(encode(BIG, "JPEG")[:2000], content_type="image/jpeg")),
-    "batch-with-bad-image": (NOT_IMAGE, "/classify_batch", dict(files=[("images", ("a.png", GOOD, "image/png")),
-                                                                       ("images", ("b.png", b"junk", "image/png"))])),
+    "batch-with-bad-image": (
+        NOT_IMAGE,
+        "/classify_batch",
+        dict(files=[("images", ("a.png", GOOD, "image/png")), ("images", ("b.png", b"junk", "image/png"))]),
+    ),
     "over-byte-limit": (BYTES, "/classify", upload(encode(BIG, "BMP"))),
-    "over-byte-limit-chunked": (BYTES, "/classify", dict(content=chunks(encode(BIG, "BMP")),
-                                                         headers={"content-type": "image/bmp"})),
+    "over-byte-limit-chunked": (
+        BYTES,
+        "/classify",
+        dict(content=chunks(encode(BIG, "BMP")), headers={"content-type": "image/bmp"}),
+    ),
     "decompression-bomb": (PIXEL_LIMIT, "/classify", upload(png_header_only(100_000, 100_000))),
     "over-pixel-limit": (PIXEL_LIMIT, "/classify", upload(png_header_only(1200, 1000))),
     "zero-sized": (NOT_IMAGE, "/classify", upload(png_header_only(0, 0))),
@@ -454,8 +475,11 @@ BAD_INPUTS = {
     "field-pdf-type": (MEDIA, "/classify", upload(GOOD, content_type="application/pdf")),  # an image declared as a PDF
     "top-k-zero": (PARAMETER, "/classify", dict(**upload(GOOD), data={"top_k": "0"})),
     "top-k-above-labels": (PARAMETER, "/classify", dict(**upload(GOOD), data={"top_k": "11"})),
-    "top-k-above-labels-batch": (PARAMETER, "/classify_batch", dict(files=[("images", ("a.png", GOOD))],
-                                                                    data={"top_k": "11"})),
+    "top-k-above-labels-batch": (
+        PARAMETER,
+        "/classify_batch",
+        dict(files=[("images", ("a.png", GOOD))], data={"top_k": "11"}),
+    ),
     "top-k-text": (PARAMETER, "/classify", dict(**upload(GOOD), data={"top_k": "many"})),
     "top-k-query": (PARAMETER, "/classify?top_k=-1", RAW_PNG),
     "capsules-zero": (PARAMETER, "/explain?capsules=0", RAW_PNG),
@@ -472,11 +496,17 @@ BAD_INPUTS = {
     "unknown-form-field": (PARAMETER, "/explain", dict(**upload(GOOD), data={"capsule": "3"})),
     "json-content-type": (MEDIA, "/classify", dict(json={"image": "x"})),
     "text-content-type": (MEDIA, "/explain", dict(content=b"abc", headers={"content-type": "text/plain"})),
-    "malformed-multipart": (FORM, "/classify", dict(content=b'--xyz\r\nContent-Disposition: form-data; name="image"',
-                                                    headers={"content-type": MULTIPART})),
+    "malformed-multipart": (
+        FORM,
+        "/classify",
+        dict(content=b'--xyz\r\nContent-Disposition: form-data; name="image"', headers={"content-type": MULTIPART}),
+    ),
     "multipart-no-boundary": (FORM, "/classify", dict(content=b"abc", headers={"content-type": "multipart/form-data"})),
-    "too-many-images": (IMAGE_COUNT, "/classify_batch",
-                        dict(files=[("images", ("a.png", GOOD, "image/png"))] * (MAX_IMAGES + 1))),
+    "too-many-images": (
+        IMAGE_COUNT,
+        "/classify_batch",
+        dict(files=[("images", ("a.png", GOOD, "image/png"))] * (MAX_IMAGES + 1)),
+    ),
     "logits-float": (PIXELS, "/logits", dict(json={"images": [[[[0.5] * 32] * 32] * 3]})),
     "logits-shape": (PIXELS, "/logits", dict(json={"images": [[[[1] * 8] * 8] * 3]})),
     "logits-range": (PIXELS, "/logits", dict(json={"images": [[[[300] * 32] * 32] * 3]})),
@@ -488,7 +518,7 @@ BAD_INPUTS = {
     "model-multipart-no-boundary": (MEDIA, "/model", dict(content=b"{}", headers={"content-type": MULTIPART[:19]})),
     "logits-form": (MEDIA, "/logits", dict(data={"images": "[[[[0]]]]"})),
     "post-on-readyz": (METHOD, "/readyz", dict(content=b"{}")),
-}  # fmt: skip
+}
 
 
 def readme_errors() -> dict[str, int]:
@@ -549,13 +579,17 @@ def test_odd_but_valid_input_is_served(server, eager, data, content_type):
 
 def untyped_part(data: bytes) -> dict:
     """A multipart body whose file part has no Content-Type, as Python's ``requests`` sends a plain file tuple."""
-    body = (b'--xyz\r\nContent-Disposition: form-data; name="image"; filename="photo"\r\n\r\n' + data
-            + b"\r\n--xyz--\r\n")  # fmt: skip
+    body = (
+        b'--xyz\r\nContent-Disposition: form-data; name="image"; filename="photo"\r\n\r\n' + data + b"\r\n--xyz--\r\n"
+    )
     return dict(content=body, headers={"content-type": MULTIPART})
 
 
-@pytest.mark.parametrize("request_", [upload(JPEG, content_type="application/octet-stream"), untyped_part(JPEG)],
-                         ids=["curl-without-extension", "requests-file-tuple"])  # fmt: skip
+@pytest.mark.parametrize(
+    "request_",
+    [upload(JPEG, content_type="application/octet-stream"), untyped_part(JPEG)],
+    ids=["curl-without-extension", "requests-file-tuple"],
+)
 def test_an_image_part_without_an_image_type_is_served(server, eager, request_):
     """The bytes decide: a file part sent as application/octet-stream (curl, a name without a known extension) or
     without a Content-Type (Python's requests) is the image it holds."""
@@ -585,9 +619,14 @@ def test_a_second_server_keeps_the_first_ones_metrics_and_answers_501_and_503(se
     bare.mkdir(exist_ok=True)
     for name in ("config.json", "model.safetensors", "model.onnx"):
         (bare / name).write_bytes((models["cifar10"] / name).read_bytes())
-    proc, url, log = start_server(server.tmp, CAPSERVE_MODEL=str(bare), CAPSERVE_MULTILABEL_MODEL="none",
-                                  CAPSERVE_MAX_LATENCY_MS="1", CAPSERVE_MAX_BATCH_SIZE="4",
-                                  CAPSERVE_ACCESS_LOG="1")  # fmt: skip
+    proc, url, log = start_server(
+        server.tmp,
+        CAPSERVE_MODEL=str(bare),
+        CAPSERVE_MULTILABEL_MODEL="none",
+        CAPSERVE_MAX_LATENCY_MS="1",
+        CAPSERVE_MAX_BATCH_SIZE="4",
+        CAPSERVE_ACCESS_LOG="1",
+    )
     try:
         wait_ready(proc, url, log)
         assert requests_total(server, "/classify") >= before >= 3
@@ -660,8 +699,9 @@ def test_bad_setting_fails_startup_without_a_traceback(models, tmp_path):
 def test_torch_backend_on_cuda_without_cuda_fails_startup_clearly(models, tmp_path):
     """The GPU bento's preset CAPSERVE_DEVICE=cuda with the torch backend and a CPU torch: an uncaught
     AssertionError made BentoML respawn the worker forever."""
-    log = failed_start(tmp_path, CAPSERVE_MODEL=str(models["cifar10"]), CAPSERVE_BACKEND="torch",
-                       CAPSERVE_DEVICE="cuda")  # fmt: skip
+    log = failed_start(
+        tmp_path, CAPSERVE_MODEL=str(models["cifar10"]), CAPSERVE_BACKEND="torch", CAPSERVE_DEVICE="cuda"
+    )
     assert "this torch" in log and "use the onnxruntime backend" in log
 
 
@@ -693,9 +733,11 @@ def store(models, tmp_path_factory) -> Path:
     way for multimnist, which lacks one)."""
     tmp = tmp_path_factory.mktemp("store")
     env = {**os.environ, "BENTOML_HOME": str(tmp / "bentoml"), "BENTOML_DO_NOT_TRACK": "True"}
-    script = ("import sys; from capserve.cli import main\n"
-              "for model, name in zip(sys.argv[1::2], sys.argv[2::2]):\n"
-              "    assert main(['export', 'bentoml', model, '--name', name]) == 0")  # fmt: skip
+    script = (
+        "import sys; from capserve.cli import main\n"
+        "for model, name in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+        "    assert main(['export', 'bentoml', model, '--name', name]) == 0"
+    )
     args = [str(models["cifar10"]), "capserve-cifar10", str(models["multimnist"]), "capserve-multimnist"]
     r = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -740,8 +782,9 @@ def test_export_bentoml_refuses_stale_graphs_and_non_models(models, tmp_path, ca
 def test_serving_from_the_model_store(store, eager):
     """CAPSERVE_MODEL=NAME[:VERSION] from BentoML's model store, with the real `bentoml serve`."""
     version = stored(store, "capserve-cifar10").name
-    proc, url, log = start_server(store, CAPSERVE_MODEL=f"capserve-cifar10:{version}",
-                                  CAPSERVE_MULTILABEL_MODEL="capserve-multimnist")  # fmt: skip
+    proc, url, log = start_server(
+        store, CAPSERVE_MODEL=f"capserve-cifar10:{version}", CAPSERVE_MULTILABEL_MODEL="capserve-multimnist"
+    )
     try:
         wait_ready(proc, url, log)
         with httpx.Client(base_url=url, timeout=60) as client:
@@ -750,8 +793,9 @@ def test_serving_from_the_model_store(store, eager):
             assert body["multi_label"]["tag"].startswith("capserve-multimnist:")
             r = client.post("/classify?top_k=10", content=GOOD, headers={"content-type": "image/png"})
             got = {p["index"]: p["probability"] for p in r.json()["predictions"]}
-            np.testing.assert_allclose([got[i] for i in range(10)], softmax(eager_logits(eager["cifar10"], GOOD)),
-                                       atol=1e-5)  # fmt: skip
+            np.testing.assert_allclose(
+                [got[i] for i in range(10)], softmax(eager_logits(eager["cifar10"], GOOD)), atol=1e-5
+            )
             assert client.post("/explain", content=GOOD, headers={"content-type": "image/png"}).status_code == 200
     finally:
         stop(proc)
@@ -760,14 +804,21 @@ def test_serving_from_the_model_store(store, eager):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bentofile, name, device", [("bentofile.yaml", "capserve", "gpu"),
-                                                      ("bentofile-cpu.yaml", "capserve-cpu", "cpu")])  # fmt: skip
+@pytest.mark.parametrize(
+    "bentofile, name, device", [("bentofile.yaml", "capserve", "gpu"), ("bentofile-cpu.yaml", "capserve-cpu", "cpu")]
+)
 def test_bentoml_build(store, bentofile, name, device):
     import yaml
 
     env = {**os.environ, "BENTOML_HOME": str(store / "bentoml"), "BENTOML_DO_NOT_TRACK": "True"}
-    r = subprocess.run([BENTOML, "build", "-f", bentofile, "--output", "tag"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [BENTOML, "build", "-f", bentofile, "--output", "tag"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (bento,) = (store / "bentoml" / "bentos" / name).glob("*/bento.yaml")
     info = yaml.safe_load(bento.read_text())
@@ -801,8 +852,13 @@ def serve_the_built_bento(store: Path, tag: str) -> None:
     port = free_port()
     log = store / f"bento-{port}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([BENTOML, "serve", tag, "--host", "127.0.0.1", "--port", str(port)], cwd=store,
-                                env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [BENTOML, "serve", tag, "--host", "127.0.0.1", "--port", str(port)],
+            cwd=store,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url, log)
@@ -826,10 +882,14 @@ def test_api_keys_setting(tmp_path):
         "key-from-file-2",
     )
     (tmp_path / "empty").write_text("# nothing yet\n")
-    for value, message in [(f"@{tmp_path / 'missing'}", "cannot read the key file"),
-                           (f"@{tmp_path / 'empty'}", "holds no key"), (" , ", "holds no key"),
-                           ("short", "at least 8"), ("has a space inside", "at least 8 visible ASCII"),
-                           ("ключ-ключ-ключ", "visible ASCII")]:  # fmt: skip
+    for value, message in [
+        (f"@{tmp_path / 'missing'}", "cannot read the key file"),
+        (f"@{tmp_path / 'empty'}", "holds no key"),
+        (" , ", "holds no key"),
+        ("short", "at least 8"),
+        ("has a space inside", "at least 8 visible ASCII"),
+        ("ключ-ключ-ключ", "visible ASCII"),
+    ]:
         with pytest.raises(ConfigurationError, match=message) as error:
             Settings.from_env({"CAPSERVE_API_KEYS": value})
         assert "ключ" not in str(error.value) and "inside" not in str(error.value)  # messages never quote a key

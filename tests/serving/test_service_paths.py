@@ -88,10 +88,16 @@ def serving(tmp: Path, **env: str) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def torch_server(tmp_path_factory):
-    with serving(tmp_path_factory.mktemp("torch-server"), CAPSERVE_BACKEND="torch", CAPSERVE_MODEL=str(CIFAR10),
-                 CAPSERVE_MULTILABEL_MODEL="none", CAPSERVE_ITERATIONS=str(SERVED_T),
-                 # fp32: the answers are compared with eager fp32 at 1e-5 (bf16 has its own tests).
-                 CAPSERVE_PRECISION="fp32", CAPSERVE_MAX_BATCH_SIZE="1") as client:  # fmt: skip
+    with serving(
+        tmp_path_factory.mktemp("torch-server"),
+        CAPSERVE_BACKEND="torch",
+        CAPSERVE_MODEL=str(CIFAR10),
+        CAPSERVE_MULTILABEL_MODEL="none",
+        CAPSERVE_ITERATIONS=str(SERVED_T),
+        # fp32: the answers are compared with eager fp32 at 1e-5 (bf16 has its own tests).
+        CAPSERVE_PRECISION="fp32",
+        CAPSERVE_MAX_BATCH_SIZE="1",
+    ) as client:
         yield client
 
 
@@ -102,8 +108,9 @@ def shipped_server(tmp_path_factory):
     no_explain.mkdir()
     for name in ("config.json", "model.safetensors", "model.onnx"):
         (no_explain / name).symlink_to(CIFAR10 / name)
-    with serving(tmp, CAPSERVE_MODEL=str(no_explain), CAPSERVE_MULTILABEL_MODEL=str(MULTIMNIST),
-                 CAPSERVE_MAX_BATCH_SIZE="8") as client:  # fmt: skip
+    with serving(
+        tmp, CAPSERVE_MODEL=str(no_explain), CAPSERVE_MULTILABEL_MODEL=str(MULTIMNIST), CAPSERVE_MAX_BATCH_SIZE="8"
+    ) as client:
         yield client
 
 
@@ -278,8 +285,9 @@ def test_shipped_multimnist_scores_real_images_over_http(shipped_server):
 
     responses = asyncio.run(send_all())
     assert [r.status_code for r in responses] == [200] * len(datas)
-    decided = np.array([[str(d) in {label["label"] for label in r.json()["labels"]} for d in range(10)]
-                        for r in responses])  # fmt: skip
+    decided = np.array(
+        [[str(d) in {label["label"] for label in r.json()["labels"]} for d in range(10)] for r in responses]
+    )
     runtime = load_runtime(MULTIMNIST / "model.onnx")
     probabilities = 1 / (1 + np.exp(-runtime.predict(normalize_images(pixels, runtime.metadata))))
     np.testing.assert_array_equal(decided, probabilities >= np.array(runtime.metadata.thresholds))  # the runtime's
@@ -354,8 +362,14 @@ def test_a_batching_torch_server_builds_its_fused_routing_kernels_before_it_is_r
     monkeypatch.setattr(fused, "_FUSED_KERNELS", {})
     monkeypatch.setattr(fused, "_FUSED_STATE", {"failed": False})
     monkeypatch.delenv("CAPSERVE_FUSED_ROUTING", raising=False)
-    settings = Settings(model=str(CIFAR10), multilabel_model="none", backend="torch", precision="fp32",
-                        iterations=SERVED_T, max_batch_size=8)  # fmt: skip
+    settings = Settings(
+        model=str(CIFAR10),
+        multilabel_model="none",
+        backend="torch",
+        precision="fp32",
+        iterations=SERVED_T,
+        max_batch_size=8,
+    )
     capsules = Capsules(settings, error=lambda e: e)
     assert capsules.ready
     compiled = set(fused._FUSED_KERNELS)
@@ -372,8 +386,13 @@ def test_a_batching_torch_server_builds_its_fused_routing_kernels_before_it_is_r
 def test_overload_answers_503_and_serving_goes_on(tmp_path):
     pixels = real_images.cifar10()[0]
     datas = [real_images.png(pixels[k]) for k in range(48)]
-    with serving(tmp_path, CAPSERVE_MODEL=str(CIFAR10), CAPSERVE_MULTILABEL_MODEL="none", CAPSERVE_MAX_BATCH_SIZE="4",
-                 CAPSERVE_MAX_LATENCY_MS="1") as server:  # fmt: skip
+    with serving(
+        tmp_path,
+        CAPSERVE_MODEL=str(CIFAR10),
+        CAPSERVE_MULTILABEL_MODEL="none",
+        CAPSERVE_MAX_BATCH_SIZE="4",
+        CAPSERVE_MAX_LATENCY_MS="1",
+    ) as server:
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=str(server.base_url), timeout=120) as client:

@@ -58,8 +58,9 @@ def test_auto_is_one_worker_per_gpu_on_cuda_and_per_cores_on_cpu():
         W.worker_count(Settings(workers=None, device="cuda"), gpus=0)
 
 
-@pytest.mark.parametrize(("visible", "count"), [("0,1,2,3", 4), ("3", 1), ("", 0), ("-1", 0), ("1,-1,2", 1),
-                                                ("GPU-5c9e,GPU-77aa", 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("visible", "count"), [("0,1,2,3", 4), ("3", 1), ("", 0), ("-1", 0), ("1,-1,2", 1), ("GPU-5c9e,GPU-77aa", 2)]
+)
 def test_visible_gpus_reads_cuda_visible_devices_as_cuda_does(visible, count):
     assert W.visible_gpus({"CUDA_VISIBLE_DEVICES": visible}) == count
 
@@ -206,8 +207,13 @@ if os.environ.get("CAPSERVE_TEST_FAIL_WORKER"):
 
 @pytest.mark.slow
 def test_two_workers_answer_split_the_cores_and_share_metrics(tiny_cifar10, tmp_path):
-    proc, url, log = start_server(tmp_path, CAPSERVE_MODEL=str(tiny_cifar10), CAPSERVE_MULTILABEL_MODEL="none",
-                                  CAPSERVE_WORKERS="2", CAPSERVE_MAX_BATCH_SIZE="8")  # fmt: skip
+    proc, url, log = start_server(
+        tmp_path,
+        CAPSERVE_MODEL=str(tiny_cifar10),
+        CAPSERVE_MULTILABEL_MODEL="none",
+        CAPSERVE_WORKERS="2",
+        CAPSERVE_MAX_BATCH_SIZE="8",
+    )
     try:
         wait_ready(proc, url, log)
         seen: dict[int, dict] = {}
@@ -244,12 +250,22 @@ def test_one_failing_worker_stops_the_whole_server_with_status_3(tiny_cifar10, t
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(FAIL_HOOK)
     root = str(Path(__file__).resolve().parents[2])
-    log = failed_start(tmp_path, CAPSERVE_MODEL=str(tiny_cifar10), CAPSERVE_WORKERS="2", CAPSERVE_TEST_FAIL_WORKER="1",
-                       PYTHONPATH=f"{hooks}:{root}")  # fmt: skip
+    log = failed_start(
+        tmp_path,
+        CAPSERVE_MODEL=str(tiny_cifar10),
+        CAPSERVE_WORKERS="2",
+        CAPSERVE_TEST_FAIL_WORKER="1",
+        PYTHONPATH=f"{hooks}:{root}",
+    )
     assert "worker 1: its GPU fell off the bus" in log
 
 
 def test_auto_workers_on_cuda_without_a_gpu_fails_startup_in_one_line(tiny_cifar10, tmp_path):
-    log = failed_start(tmp_path, CAPSERVE_MODEL=str(tiny_cifar10), CAPSERVE_WORKERS="auto", CAPSERVE_DEVICE="cuda",
-                       CUDA_VISIBLE_DEVICES="")  # fmt: skip
+    log = failed_start(
+        tmp_path,
+        CAPSERVE_MODEL=str(tiny_cifar10),
+        CAPSERVE_WORKERS="auto",
+        CAPSERVE_DEVICE="cuda",
+        CUDA_VISIBLE_DEVICES="",
+    )
     assert "no GPU is visible" in log and "Traceback" not in log

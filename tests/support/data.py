@@ -32,8 +32,11 @@ def write_cifar100(root, n: int = 6):
     d.mkdir(parents=True)
     rng = np.random.default_rng(1)
     for name in ("train", "test"):
-        payload = {"fine_labels": rng.integers(0, 100, n).tolist(), "coarse_labels": [0] * n,
-                   "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8)}  # fmt: skip
+        payload = {
+            "fine_labels": rng.integers(0, 100, n).tolist(),
+            "coarse_labels": [0] * n,
+            "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+        }
         with open(d / name, "wb") as f:
             pickle.dump(payload, f)
     with open(d / "meta", "wb") as f:
@@ -80,6 +83,7 @@ def write_easy_cifar10(root: Path, n_per_batch: int = 12, n_test: int = 20) -> P
 
 
 def cfg(model: str, data: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(overrides=tiny_overrides(model), epochs=2, batch_size=16, lr=0.05, val_size=12, eval_batch_size=32,
-                device="cpu")  # fmt: skip
+    base = dict(
+        overrides=tiny_overrides(model), epochs=2, batch_size=16, lr=0.05, val_size=12, eval_batch_size=32, device="cpu"
+    )
     return TrainConfig(model=model, data=str(data), out=str(out), **{**base, **kw})

@@ -45,8 +45,13 @@ def start_server(tmp: Path, **env: str) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     log = tmp / f"server-{port}.log"
     # one worker unless a test says otherwise: a second one doubles start-up on a 2-core CI machine
-    environ = {**os.environ, "BENTOML_HOME": str(tmp / "bentoml"), "BENTOML_DO_NOT_TRACK": "True",
-               "CAPSERVE_WORKERS": "1", **env}  # fmt: skip
+    environ = {
+        **os.environ,
+        "BENTOML_HOME": str(tmp / "bentoml"),
+        "BENTOML_DO_NOT_TRACK": "True",
+        "CAPSERVE_WORKERS": "1",
+        **env,
+    }
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [BENTOML, "serve", "service:CapsuleService", "--host", "127.0.0.1", "--port", str(port)],

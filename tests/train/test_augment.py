@@ -46,8 +46,17 @@ def write_digits(root: Path, per_label: int = 12, colour: bool = False) -> Path:
 
 
 def config(data: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(overrides=tiny_overrides("cifar10-simple"), epochs=1, batch_size=8, lr=0.05, eval_batch_size=16,
-                device="cpu", image_size=SIZE, val_size=4, test=False)  # fmt: skip
+    base = dict(
+        overrides=tiny_overrides("cifar10-simple"),
+        epochs=1,
+        batch_size=8,
+        lr=0.05,
+        eval_batch_size=16,
+        device="cpu",
+        image_size=SIZE,
+        val_size=4,
+        test=False,
+    )
     return TrainConfig(model="cifar10-simple", data=str(data), out=str(out), **{**base, **kw})
 
 
@@ -62,8 +71,12 @@ def offsets(out: torch.Tensor, image: torch.Tensor) -> list[tuple[int, int, bool
     found = []
     for o in out:
         crops = {(dy, dx): padded[..., dy : dy + 16, dx : dx + 16] for dy in range(5) for dx in range(5)}
-        hits = [(dy, dx, m) for m in (False, True) for (dy, dx), c in crops.items()
-                if torch.equal(o, c.flip(-1) if m else c)]  # fmt: skip
+        hits = [
+            (dy, dx, m)
+            for m in (False, True)
+            for (dy, dx), c in crops.items()
+            if torch.equal(o, c.flip(-1) if m else c)
+        ]
         assert hits, "an augmented image is neither a shift nor a mirrored shift of its input"
         found.append(hits[0])
     return found
@@ -94,14 +107,21 @@ def test_default_policy_per_data_kind():
 def test_training_batches_follow_the_policy():
     images = pattern(8).repeat(1, 3, 1, 1)
     c = SimpleNamespace(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), image_size=16)
-    run = lambda policy: SimpleNamespace(cfg=SimpleNamespace(augment=policy, seed=0, channels_last=False),  # noqa: E731
-                                         model=SimpleNamespace(config=c), device=torch.device("cpu"))  # fmt: skip
+
+    def run(policy):
+        return SimpleNamespace(
+            cfg=SimpleNamespace(augment=policy, seed=0, channels_last=False),
+            model=SimpleNamespace(config=c),
+            device=torch.device("cpu"),
+        )
+
     assert torch.equal(augment(run("none"), images, 0, 0), images.float() / 255)
     assert not torch.equal(augment(run("shift"), images, 0, 0), images.float() / 255)
 
 
-@pytest.mark.parametrize("colour, flag, expected", [(False, None, "none"), (True, None, "none"),
-                                                    (False, "shift", "shift")])  # fmt: skip
+@pytest.mark.parametrize(
+    "colour, flag, expected", [(False, None, "none"), (True, None, "none"), (False, "shift", "shift")]
+)
 def test_own_data_records_the_policy_and_its_own_mean_std(tmp_path, colour, flag, expected):
     data = write_digits(tmp_path / "digits", colour=colour)
     out = tmp_path / "run"
@@ -131,13 +151,37 @@ def test_init_keeps_its_mean_std_and_freeze_backbone_keeps_its_weights(tmp_path,
     data = write_digits(tmp_path / "digits")
     source = tmp_path / "source"
     # a ResNet backbone: BatchNorm statistics that training mode would move
-    model = capserve.create_model("cifar10-simple", **tiny_overrides("cifar10-simple"), backbone="resnet",
-                                  image_size=SIZE, mean=(0.25, 0.5, 0.75), std=(0.1, 0.2, 0.3),
-                                  labels=("bar", "dot"))  # fmt: skip
+    model = capserve.create_model(
+        "cifar10-simple",
+        **tiny_overrides("cifar10-simple"),
+        backbone="resnet",
+        image_size=SIZE,
+        mean=(0.25, 0.5, 0.75),
+        std=(0.1, 0.2, 0.3),
+        labels=("bar", "dot"),
+    )
     save_model(model, source)
     out = tmp_path / "ft"
-    code = main(["train", "--init", str(source), "--data", str(data), "--out", str(out), "--epochs", "1",
-                 "--batch-size", "8", "--val-size", "4", "--no-test", "--freeze", "backbone"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--init",
+            str(source),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--val-size",
+            "4",
+            "--no-test",
+            "--freeze",
+            "backbone",
+        ]
+    )
     assert code == 0  # too few validation images to judge learning: a warning, no verdict; no usage error (2)
     tuned = capserve.load(out / "last")
     assert tuned.config.mean == (0.25, 0.5, 0.75) and tuned.config.std == (0.1, 0.2, 0.3)
@@ -150,8 +194,22 @@ def test_init_keeps_its_mean_std_and_freeze_backbone_keeps_its_weights(tmp_path,
     recorded = json.loads((out / "train_config.json").read_text())
     assert recorded["freeze"] == "backbone" and recorded["optimizer"] == "adamw"  # own data, --init or not
     capsys.readouterr()
-    assert main(["train", "--model", "cifar10-simple", "--data", str(data), "--out", str(tmp_path / "x"),
-                 "--freeze", "backbone"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                "cifar10-simple",
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / "x"),
+                "--freeze",
+                "backbone",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "--freeze backbone keeps a trained backbone: give --init" in err and "Traceback" not in err
 
@@ -161,8 +219,19 @@ def test_bad_augment_is_refused(tmp_path, capsys):
         config(tmp_path, tmp_path / "r", augment="flip")
     assert set(AUGMENTATIONS) == {"none", "shift", "crop-flip"}
     with pytest.raises(SystemExit):
-        main(["train", "--model", "cifar10-simple", "--data", str(tmp_path), "--out", str(tmp_path / "r"),
-              "--augment", "rotate"])  # fmt: skip
+        main(
+            [
+                "train",
+                "--model",
+                "cifar10-simple",
+                "--data",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "r"),
+                "--augment",
+                "rotate",
+            ]
+        )
     assert "invalid choice: 'rotate'" in capsys.readouterr().err
 
 
@@ -171,14 +240,43 @@ def test_auto_recipe_by_data_and_given_values_reach_the_optimizer(tmp_path, caps
     AdamW (its decoupled decay; none on biases and norms), one-cycle and batch 64; every value given wins."""
     base = TrainConfig(model="cifar10-simple", data="d", out="o")
     builtin, own = resolve_recipe(base, own_data=False), resolve_recipe(base, own_data=True)
-    assert (builtin.optimizer, builtin.lr, builtin.momentum, builtin.weight_decay, builtin.schedule,
-            builtin.batch_size) == ("sgd", 0.1, 0.9, 5e-4, "step", 128)  # fmt: skip
+    assert (
+        builtin.optimizer,
+        builtin.lr,
+        builtin.momentum,
+        builtin.weight_decay,
+        builtin.schedule,
+        builtin.batch_size,
+    ) == ("sgd", 0.1, 0.9, 5e-4, "step", 128)
     assert (own.optimizer, own.lr, own.momentum, own.weight_decay, own.schedule, own.batch_size) == (
-        "adamw", 2e-3, None, DEFAULT_WEIGHT_DECAY["adamw"], "onecycle", 64)  # fmt: skip
-    given = resolve_recipe(TrainConfig(model="cifar10-simple", data="d", out="o", optimizer="sgd", lr=0.01,
-                                       weight_decay=0.0, schedule="cosine", batch_size=32), own_data=True)  # fmt: skip
+        "adamw",
+        2e-3,
+        None,
+        DEFAULT_WEIGHT_DECAY["adamw"],
+        "onecycle",
+        64,
+    )
+    given = resolve_recipe(
+        TrainConfig(
+            model="cifar10-simple",
+            data="d",
+            out="o",
+            optimizer="sgd",
+            lr=0.01,
+            weight_decay=0.0,
+            schedule="cosine",
+            batch_size=32,
+        ),
+        own_data=True,
+    )
     assert (given.optimizer, given.lr, given.momentum, given.weight_decay, given.schedule, given.batch_size) == (
-        "sgd", 0.01, 0.9, 0.0, "cosine", 32)  # fmt: skip
+        "sgd",
+        0.01,
+        0.9,
+        0.0,
+        "cosine",
+        32,
+    )
     with pytest.raises(ValueError, match="--momentum is SGD's"):
         resolve_recipe(TrainConfig(model="cifar10-simple", data="d", out="o", momentum=0.5), own_data=True)
     data = write_digits(tmp_path / "digits")

@@ -53,16 +53,32 @@ def test_a_new_kind_of_data_learns_with_the_defaults_alone(tmp_path, capsys):
 
 
 def tiny_args(model: str = "cifar10-simple") -> list[str]:
-    return [f"--set={key}={json.dumps(value if not isinstance(value, tuple) else [vars(v) for v in value])}"
-            for key, value in tiny_overrides(model).items()]  # fmt: skip
+    return [
+        f"--set={key}={json.dumps(value if not isinstance(value, tuple) else [vars(v) for v in value])}"
+        for key, value in tiny_overrides(model).items()
+    ]
 
 
 def test_a_run_that_learns_nothing_says_so_exits_non_zero_and_marks_best(tmp_path, capsys, caplog):
     data = write_orientations(tmp_path / "noise", 24, np.random.default_rng(1), informative=False)
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO):
-        code = main(["train", "--data", str(data), "--out", str(out), "--epochs", "2", "--val-size", "24",
-                     "--image-size", "16", *tiny_args()])  # fmt: skip
+        code = main(
+            [
+                "train",
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                "--epochs",
+                "2",
+                "--val-size",
+                "24",
+                "--image-size",
+                "16",
+                *tiny_args(),
+            ]
+        )
     assert code == 1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["learned"] is False
@@ -118,8 +134,22 @@ def test_multi_label_summary_figure_is_the_one_evaluate_gives(tmp_path, capsys):
         rows.append(f"img/{i}.png,{' '.join(present)},{'test' if i >= 100 else 'train'}")
     (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
     out = tmp_path / "run"
-    code = main(["train", "--model", "cifar10-simple", "--data", str(tmp_path / "labels.csv"), "--out", str(out),
-                 "--epochs", "8", "--image-size", "16", *tiny_args()])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--model",
+            "cifar10-simple",
+            "--data",
+            str(tmp_path / "labels.csv"),
+            "--out",
+            str(out),
+            "--epochs",
+            "8",
+            "--image-size",
+            "16",
+            *tiny_args(),
+        ]
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert code == 0 and summary["learned"] is True
     capsys.readouterr()
@@ -139,8 +169,10 @@ def test_shared_class_weights_vote_alike_wherever_a_part_lies():
         layer = model.capsules[-1]
         children = torch.randn(2, 5, 5, 4, 16)  # (B, H, W, I, D)
         moved = children.roll(shifts=(2, 1), dims=(1, 2))
-        same = all(torch.allclose(a, b, atol=1e-5) for a, b in zip(layer.route(children, 3)[0],
-                                                                   layer.route(moved, 3)[0], strict=True))  # fmt: skip
+        same = all(
+            torch.allclose(a, b, atol=1e-5)
+            for a, b in zip(layer.route(children, 3)[0], layer.route(moved, 3)[0], strict=True)
+        )
         assert same is invariant, mode
     shared = capserve.create_model("cifar10-simple", class_weights="shared")
     per_position = capserve.create_model("cifar10-simple")

@@ -46,8 +46,20 @@ def test_schedules():
 
 def test_training_reduces_loss_and_writes_outputs(cifar, tmp_path):
     out = tmp_path / "run"
-    summary = train(cfg("cifar10-simple", cifar, out, epochs=6, batch_size=8, lr=0.1, schedule="cosine", amp="bf16",
-                        channels_last=True, grad_clip=5.0))  # fmt: skip
+    summary = train(
+        cfg(
+            "cifar10-simple",
+            cifar,
+            out,
+            epochs=6,
+            batch_size=8,
+            lr=0.1,
+            schedule="cosine",
+            amp="bf16",
+            channels_last=True,
+            grad_clip=5.0,
+        )
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and rows[-1]["train_loss"] < 0.7 * rows[0]["train_loss"]
     assert {"val_acc", "val_loss", "lr", "images_per_s"} <= set(rows[0])
@@ -63,8 +75,12 @@ def test_training_reduces_loss_and_writes_outputs(cifar, tmp_path):
     assert summary["test_acc"] >= 0.5  # 10 classes (chance 0.1) that differ by colour; measured 0.80 (16/20)
     assert model.config.extra["data"] == {"dataset": "cifar10", "val_size": 12}
     assert (out / "curves.png").stat().st_size > 0
-    assert set(os.listdir(out / "last")) == {"model.safetensors", "config.json", "optimizer.safetensors",
-                                             "trainer.json"}  # fmt: skip
+    assert set(os.listdir(out / "last")) == {
+        "model.safetensors",
+        "config.json",
+        "optimizer.safetensors",
+        "trainer.json",
+    }
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -98,16 +114,49 @@ def test_best_epoch_breaks_accuracy_ties_by_validation_loss():
 def test_ddp_two_cpu_processes_match_one(mnist, tmp_path):
     # multimnist models have no BatchNorm: 2 ranks × 8 images must equal 1 process × 16 images
     overrides = json.dumps(tiny_overrides("multimnist-matrix-small")["capsules"][0].__dict__)
-    args = ["train", "--model", "multimnist-matrix-small", "--data", str(mnist), "--epochs", "1", "--epoch-size",
-            "48", "--batch-size", "16", "--val-size", "20", "--eval-batch-size", "10", "--no-test", "--device", "cpu",
-            "--set", "backbone_channels=8", "--set", "primary_types=4", "--set",
-            f"capsules=[{overrides}, {{\"kind\": \"fc\", \"types\": 5}}]"]  # fmt: skip
+    args = [
+        "train",
+        "--model",
+        "multimnist-matrix-small",
+        "--data",
+        str(mnist),
+        "--epochs",
+        "1",
+        "--epoch-size",
+        "48",
+        "--batch-size",
+        "16",
+        "--val-size",
+        "20",
+        "--eval-batch-size",
+        "10",
+        "--no-test",
+        "--device",
+        "cpu",
+        "--set",
+        "backbone_channels=8",
+        "--set",
+        "primary_types=4",
+        "--set",
+        f'capsules=[{overrides}, {{"kind": "fc", "types": 5}}]',
+    ]
     single = tmp_path / "single"
     # 1 (and the same from torchrun): three steps need not beat the prior; the weights are what this test compares
     assert main([*args, "--out", str(single)]) == 1
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "capserve.cli", *args, "--out", str(tmp_path / "ddp")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "capserve.cli",
+        *args,
+        "--out",
+        str(tmp_path / "ddp"),
+    ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "did not learn" in result.stderr, result.stderr[-3000:]
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
@@ -124,8 +173,24 @@ def test_ddp_two_cpu_processes_match_one(mnist, tmp_path):
 def test_evaluate_and_calibrate(mnist, cifar, tmp_path, capsys):
     train(cfg("multimnist-matrix-small", mnist, tmp_path / "mm", epochs=1, epoch_size=32, val_size=40, test=False))
     best = tmp_path / "mm" / "best"
-    assert main(["evaluate", str(best), "--data", str(mnist), "--iterations", "1,2,3", "--calibrate", "--limit", "300",
-                 "--out", str(tmp_path / "ev")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "evaluate",
+                str(best),
+                "--data",
+                str(mnist),
+                "--iterations",
+                "1,2,3",
+                "--calibrate",
+                "--limit",
+                "300",
+                "--out",
+                str(tmp_path / "ev"),
+            ]
+        )
+        == 0
+    )
     thresholds = capserve.read_config(best).thresholds
     assert thresholds is not None and len(thresholds) == 10
     model = capserve.load(best)
@@ -208,8 +273,10 @@ def test_cli_errors(cifar, tmp_path, capsys):
     assert "unknown model 'nope'" in capsys.readouterr().err
     assert main(["train", "--model", "cifar10-simple", "--data", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
     assert "no such file or folder" in capsys.readouterr().err
-    assert main(["train", "--model", "cifar10-simple", "--data", str(cifar), "--out", str(tmp_path), "--set",
-                 "pose_dim"]) == 2  # fmt: skip
+    assert (
+        main(["train", "--model", "cifar10-simple", "--data", str(cifar), "--out", str(tmp_path), "--set", "pose_dim"])
+        == 2
+    )
     assert "key=value" in capsys.readouterr().err
     assert main(["train", "--model", "cifar10-simple"]) == 2
     assert "missing --data, --out" in capsys.readouterr().err
