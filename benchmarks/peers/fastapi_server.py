@@ -19,7 +19,8 @@ import numpy as np
 import onnxruntime as ort
 from fastapi import FastAPI, File, UploadFile
 
-from capserve import images
+from capserve.data.images import load_image
+from capserve.data.preprocess import normalize_images
 from capserve.runtime import load_runtime
 
 OPTIONS = ort.SessionOptions()
@@ -38,8 +39,8 @@ app = FastAPI()
 
 @app.post("/classify")
 def classify(image: Annotated[UploadFile, File()], top_k: int = 5) -> dict:
-    pixels = images.load_image(image.file.read(), META)[None]  # (1, C, H, W) uint8
-    logits = SESSION.run(["logits"], {INPUT: images.normalize_images(pixels, META)})[0][0]  # (C,)
+    pixels = load_image(image.file.read(), META)[None]  # (1, C, H, W) uint8
+    logits = SESSION.run(["logits"], {INPUT: normalize_images(pixels, META)})[0][0]  # (C,)
     e = np.exp(logits - logits.max())
     probabilities = e / e.sum()
     order = np.argsort(-probabilities, kind="stable")[:top_k]
@@ -54,8 +55,8 @@ def classify(image: Annotated[UploadFile, File()], top_k: int = 5) -> dict:
 
 @app.post("/multilabel")
 def multilabel(image: Annotated[UploadFile, File()], threshold: float | None = None) -> dict:
-    pixels = images.load_image(image.file.read(), ML_META)[None]  # (1, C, H, W) uint8
-    inputs = {ML_SESSION.get_inputs()[0].name: images.normalize_images(pixels, ML_META)}
+    pixels = load_image(image.file.read(), ML_META)[None]  # (1, C, H, W) uint8
+    inputs = {ML_SESSION.get_inputs()[0].name: normalize_images(pixels, ML_META)}
     probabilities = 1 / (1 + np.exp(-ML_SESSION.run(["logits"], inputs)[0][0]))  # (C,)
     thresholds = np.full(len(ML_META.labels), 0.5 if threshold is None else threshold)
     if threshold is None and ML_META.thresholds is not None:

@@ -12,7 +12,8 @@ import litserve as ls
 import numpy as np
 from starlette.requests import Request
 
-from capserve import images
+from capserve.data.images import load_image
+from capserve.data.preprocess import normalize_images
 from capserve.runtime import load_runtime
 
 
@@ -29,13 +30,13 @@ class Classify(ls.LitAPI):
         self.input = self.session.get_inputs()[0].name
 
     def decode_request(self, request: Request) -> np.ndarray:
-        return images.load_image(request["image"].file.read(), self.meta)  # (C, H, W) uint8
+        return load_image(request["image"].file.read(), self.meta)  # (C, H, W) uint8
 
     def batch(self, inputs: list[np.ndarray]) -> np.ndarray:
         return np.stack(inputs)  # (B, C, H, W)
 
     def predict(self, pixels: np.ndarray) -> np.ndarray:
-        logits = self.session.run(["logits"], {self.input: images.normalize_images(pixels, self.meta)})[0]  # (B, C)
+        logits = self.session.run(["logits"], {self.input: normalize_images(pixels, self.meta)})[0]  # (B, C)
         e = np.exp(logits - logits.max(axis=-1, keepdims=True))
         return e / e.sum(axis=-1, keepdims=True)
 
