@@ -1,7 +1,7 @@
 """The own-data battery: does ``capserve train`` learn with its defaults on data of kinds nobody tuned it on?
 
-    python benchmarks/bench_battery.py --data ../shared/data                  # every set, all three learners
-    python benchmarks/bench_battery.py --data ../shared/data --only letters,shapes --learners capsules,yardstick
+    python benchmarks/bench_battery.py --data data/   # every set, all three learners
+    python benchmarks/bench_battery.py --data data/ --only letters,shapes --learners capsules,yardstick
 
 For each set of ``battery_data.BATTERY`` (built once under ``--work``), three learners with the same epochs:
 
@@ -35,8 +35,8 @@ from battery_data import BATTERY, build
 from torch import nn
 
 from capserve.data.own import InputSize, build_cache, scan, with_validation
+from capserve.data.preprocess import data_mean_std
 from capserve.runtime.outputs import multi_label_decisions
-from capserve.train.loop import data_mean_std
 
 REPO = Path(__file__).resolve().parents[1]
 # short runs, sized for a 2-core CPU (about three minutes per capsule run there)
@@ -142,7 +142,7 @@ def capserve_train(data: Path, out: Path, epochs: int, extra: list[str]) -> dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="the folder with the MNIST and CIFAR-10 files")
+    p.add_argument("--data", default="data", help="the folder with the MNIST and CIFAR-10 files (default: %(default)s)")
     p.add_argument("--work", help="where the sets and runs go (default: a temporary folder)")
     p.add_argument("--only", help="comma-separated set names (default: all)")
     p.add_argument("--learners", default="capsules,cnn,yardstick")

@@ -1,6 +1,6 @@
 """Own-images data path: cache build speed, cache reuse, and training throughput from the cache vs built-in CIFAR.
 
-    python benchmarks/bench_data.py --cifar /work/shared/data --images 10000 --steps 30
+    python benchmarks/bench_data.py --cifar data/ --images 10000 --steps 30
 
 1. Writes ``--images`` CIFAR-10 training pictures (32×32) as PNG files into label folders (``DIR/<label>/*.png``).
 2. Builds the uint8 cache from them (``capserve.data.own.build_cache``: decode through ``capserve.data.images``, the
@@ -56,7 +56,11 @@ def images_per_s(out: Path) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cifar", required=True, help="folder with cifar-10-batches-py (any usual layout)")
+    p.add_argument(
+        "--cifar",
+        default="data",
+        help="folder with cifar-10-batches-py, any usual layout (default: %(default)s)",
+    )
     p.add_argument("--images", type=int, default=10_000)
     p.add_argument("--model", default="cifar10-simple")
     p.add_argument("--steps", type=int, default=30)

@@ -274,7 +274,7 @@ def row(name: str, endpoint: str, c: int, result: tuple[float, np.ndarray, dict]
     )
 
 
-# ---------------------------------------------------------------------------- issue #11's table: peers and wrk
+# ------------------------------------------------------------------------------------ the peers table, with wrk
 
 WRK_SCRIPT = ROOT / "benchmarks" / "multipart.lua"
 PEERS = ROOT / "benchmarks" / "peers"
@@ -388,9 +388,10 @@ def peer_table(
     workers: list[int],
     peers: bool = True,
 ) -> None:
-    """Issue #11's table, with capserve at each of ``workers`` (CAPSERVE_WORKERS): raw batch-32 throughput, then each
-    server's req/s and p50 at each of ``concurrency`` (req/s at 32 also ÷ the raw figure measured just before), errors
-    and server CPU ms per request at the largest concurrency (medians over interleaved rounds)."""
+    """The peers table (docs/benchmarks.md, "HTTP: capserve against the alternatives"), with capserve at each of
+    ``workers`` (CAPSERVE_WORKERS): raw batch-32 throughput, then each server's req/s and p50 at each of
+    ``concurrency`` (req/s at 32 also ÷ the raw figure measured just before), errors and server CPU ms per request at
+    the largest concurrency (medians over interleaved rounds)."""
     if shutil.which("wrk") is None:
         raise SystemExit("wrk not found: `apt-get install -y wrk` (see this script's docstring), or --no-table")
     meta = load_runtime(model / "model.onnx").metadata
@@ -477,7 +478,7 @@ def peer_table(
             server.stop()
 
     print(
-        f"\nissue #11/#26 table: wrk, one 32×32 PNG as multipart, one server at a time, medians of {rounds} "
+        f"\npeers table: wrk, one 32×32 PNG as multipart, one server at a time, medians of {rounds} "
         f"interleaved rounds of {seconds:g} s per concurrency ({os.cpu_count()} CPUs); ÷ raw: req/s at c=32 against "
         f"raw batch 32 measured just before each turn; CPU: the server's CPU ms per request at c={busiest}"
     )
@@ -532,8 +533,8 @@ def main() -> None:
     p.add_argument("--rss-requests", type=int, default=3000, help="requests of the memory run (concurrency 32)")
     p.add_argument("--max-latency-ms", type=int, default=10_000, help="adaptive batching latency budget (503 above)")
     table = p.add_mutually_exclusive_group()
-    table.add_argument("--table-only", action="store_true", help="only issue #11's table (peers, wrk)")
-    table.add_argument("--no-table", action="store_true", help="skip issue #11's table (no wrk needed)")
+    table.add_argument("--table-only", action="store_true", help="only the peers table (wrk)")
+    table.add_argument("--no-table", action="store_true", help="skip the peers table (no wrk needed)")
     p.add_argument("--table-rounds", type=int, default=3, help="interleaved rounds of the table (medians)")
     p.add_argument("--table-seconds", type=int, default=5, help="seconds of each wrk run in the table")
     p.add_argument(

@@ -20,7 +20,8 @@ import numpy as np
 
 from capserve.data import load_test
 from capserve.data.preprocess import normalize_images
-from capserve.export.int8 import accuracy, export_int8
+from capserve.export.gate import accuracy
+from capserve.export.int8 import export_int8
 from capserve.runtime import load_runtime
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ every configuration alike), under ``torch.inference_mode()``; the medians are re
 whole/backbone is also given from the fastest rounds ("min"), the better estimate when other processes share
 the cores.
 
-The big attention steps run through the compiled fused kernel (``capserve.routing.fused_block``) where it applies;
+The big attention steps run through the compiled fused kernel (``capserve.routing.fused.fused_block``) where it applies;
 its compile happens in the warm-up round, and the last line of each model's table says whether it ran. For the
 eager passes alone: ``CAPSERVE_FUSED_ROUTING=0 python benchmarks/bench_model.py …``.
 
@@ -49,7 +49,7 @@ import time
 import torch
 from torch import nn
 
-from capserve.routing.fused import _FUSED_KERNELS, _FUSED_STATE
+from capserve.routing.fused import compiled_kernels
 
 
 def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
@@ -253,15 +253,14 @@ def print_peak_rows(
 
 def fused_kernel_state() -> str:
     """Whether the big routing steps ran fused in this process (timed above after their warm-up call compiled)."""
-    pass
-
     if os.environ.get("CAPSERVE_FUSED_ROUTING", "1") == "0":
         return "off (CAPSERVE_FUSED_ROUTING=0)"
-    if _FUSED_STATE["failed"]:
+    kernels = compiled_kernels()
+    if kernels is None:
         return "off (torch.compile failed here; see the warning above)"
-    if not _FUSED_KERNELS:
+    if not kernels:
         return "not used (no step big enough, see FUSED_MIN_VOTES)"
-    return f"on, compiled for {len(_FUSED_KERNELS)} block shape(s)"
+    return f"on, compiled for {kernels} block shape(s)"
 
 
 def main() -> None:
@@ -342,10 +341,10 @@ def main() -> None:
                     f"{gflop:>12.2f}{gflop / caps:>14.1f}{base:>9.0f}{peak:>9.0f}"
                 )
         print(f"(GFLOP/s of the capsule part beside the machine's matmul: {gflops_machine:.0f} GFLOP/s)")
-        print(f"fused attention kernel (capserve.routing.fused_block): {fused_kernel_state()}")
+        print(f"fused attention kernel (capserve.routing.fused.fused_block): {fused_kernel_state()}")
         for (batch, T), ratio in ratios.items():
             if T == 3 and batch >= 8:
-                goal = "issue #10: at most 1.5, moonshot 1.2"
+                goal = "target: at most 1.5, stretch 1.2"
                 print(f"{name}: whole / backbone at batch {batch}, T = 3: {ratio:.2f} ({goal})")
         if args.peak or args.onnx_peak:
             peaks, onnx_peaks = [tuple(p) for p in args.peak], [tuple(p) for p in args.onnx_peak]

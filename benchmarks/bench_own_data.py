@@ -1,8 +1,8 @@
 """The own-images path on kinds of data it has not seen: build three data sets from the CIFAR-10/MNIST files, train
 each with the documented command (``capserve train`` in a subprocess) and print the scores.
 
-    python benchmarks/bench_own_data.py --data ../shared/data                     # all three, the issue's sizes
-    python benchmarks/bench_own_data.py --data ../shared/data --only pairs --augment none,crop-flip
+    python benchmarks/bench_own_data.py --data data/   # all three, the documented sizes
+    python benchmarks/bench_own_data.py --data data/ --only pairs --augment none,crop-flip
 
 1. ``pairs``: a multi-label CSV of 32×32 RGB images, each with two different MNIST digits (16×16) in two random
    quadrants, labels as words ("three seven"); ``--pairs-train`` train rows + ``--pairs-test`` test rows (split
@@ -148,7 +148,11 @@ def train(name: str, args: list[str], out: Path, augment: str, weight_decay: str
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="the folder with the CIFAR-10 and MNIST files (any usual layout)")
+    p.add_argument(
+        "--data",
+        default="data",
+        help="the folder with the CIFAR-10 and MNIST files, any usual layout (default: %(default)s)",
+    )
     p.add_argument("--work", help="where to build the data and runs (default: a temporary folder, removed)")
     p.add_argument("--only", default="pairs,cifar,mnist", help="comma-separated: pairs, cifar, mnist")
     p.add_argument("--augment", default="default", help="comma-separated policies per run (default = no flag)")

@@ -1,7 +1,7 @@
 """``capserve predict`` against the runtime's own batch throughput, and its peak memory as the folder grows.
 
-    python benchmarks/bench_predict.py --data ../shared/data                    # 10,000 CIFAR-10 test PNGs
-    python benchmarks/bench_predict.py --data ../shared/data --images 2000 --model models/multimnist
+    python benchmarks/bench_predict.py --data data/   # 10,000 CIFAR-10 test PNGs
+    python benchmarks/bench_predict.py --data data/ --images 2000 --model models/multimnist
 
 Writes the first ``--images`` CIFAR-10 test pictures as PNG files (into ``--work``, a temporary folder by default),
 then, in one process per figure so that each peak resident size is its own:
@@ -80,7 +80,7 @@ def predict_run(args: list[str]) -> tuple[float, float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="the folder with the CIFAR-10 files")
+    p.add_argument("--data", default="data", help="the folder with the CIFAR-10 files (default: %(default)s)")
     p.add_argument("--model", default=str(REPO / "models" / "cifar10"))
     p.add_argument("--images", type=int, default=10_000)
     p.add_argument("--batch-size", type=int, default=64)

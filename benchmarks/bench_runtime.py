@@ -7,7 +7,7 @@ max |Δlogit| and top-1 agreement against eager FP32 on the same inputs, and rea
 trained checkpoint and CIFAR-10 (``--checkpoint DIR --cifar DIR``).
 
     python benchmarks/bench_runtime.py                       # cifar10-resnet, random weights, T = 1 2 3
-    python benchmarks/bench_runtime.py --checkpoint models/cifar10-resnet --cifar /work/shared/data/cifar10
+    python benchmarks/bench_runtime.py --checkpoint models/cifar10 --cifar data/
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ from pathlib import Path
 import onnx
 
 from capserve.configs import ModelConfig
-from capserve.export.int8 import Quantizer, _session, read_calibration, score
+from capserve.export.calibration import read_calibration
+from capserve.export.gate import score
+from capserve.export.int8 import Quantizer, runtime_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,13 +52,13 @@ def main() -> None:
     config = ModelConfig.from_dict(json.loads((model / "config.json").read_text())["config"])
     cal = read_calibration(data, config, 512, 1000)
     fp32_proto = onnx.load(str(model / "model.onnx"))
-    fp32 = _session(fp32_proto)
+    fp32 = runtime_for(fp32_proto)
     for variant in variants:
         method, _, nodes = variant.partition(":")
         method, _, percentile = method.partition("@")
         t0 = time.perf_counter()
         with Quantizer(fp32_proto, cal.images, "onnxruntime", method, float(percentile or 99.999)) as q:
-            int8 = _session(q.build([n for n in nodes.split(",") if n]))
+            int8 = runtime_for(q.build([n for n in nodes.split(",") if n]))
         took = time.perf_counter() - t0
         r = score(fp32, int8, cal.held_out, cal.targets, cal.split, 0.97)
         ratio = speed(int8, cal.held_out) / speed(fp32, cal.held_out)

@@ -18,12 +18,13 @@ from capserve.errors import UsageError
 if TYPE_CHECKING:
     from capserve.configs import ModelConfig
 
-# subcommand → (module, help); modules are imported only when their command runs
+# subcommand → (module, help[, its functions' prefix]); a module's ``add_arguments`` and ``run`` (or, with a
+# prefix P, ``add_P_arguments`` and ``run_P``) are imported only when their command runs
 COMMANDS = {
     "train": ("capserve.train.cli", "train a model (single GPU/CPU, or torchrun for DDP)"),
-    "evaluate": ("capserve.evaluate", "accuracy of a checkpoint on a test set, per routing iteration count"),
+    "evaluate": ("capserve.evaluate.cli", "accuracy of a checkpoint on a test set, per routing iteration count"),
     "export": ("capserve.export.cli", "export a checkpoint to ONNX, or an ONNX file to a TensorRT engine"),
-    "verify": ("capserve.export.verify", "compare an exported artifact with eager PyTorch"),
+    "verify": ("capserve.export.cli", "compare an exported artifact with eager PyTorch", "verify"),
     "serve": ("capserve.serving.cli", "serve a model over HTTP (bentoml serve of capserve's service)"),
     "predict": ("capserve.predict.cli", "the service's answers for files, folders or CSVs, without a server"),
     "models": ("capserve.cli", "list the named model configurations with their parameter counts"),
@@ -73,17 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     argv = sys.argv[1:] if argv is None else argv
     parsers = {}
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (module, help_text, *prefix) in COMMANDS.items():
         parsers[name] = p = sub.add_parser(name, help=help_text, description=help_text)
         # only the chosen command's module is imported (keeps `capserve models` free of onnx/tensorrt)
         if name in argv:
-            importlib.import_module(module).add_arguments(p)
+            add = f"add_{prefix[0]}_arguments" if prefix else "add_arguments"
+            getattr(importlib.import_module(module), add)(p)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's own parser, with its usage (the top-level one would show capserve's)
         parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     try:
-        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+        module, _, *prefix = COMMANDS[args.command]
+        run = getattr(importlib.import_module(module), f"run_{prefix[0]}" if prefix else "run")
+        return int(run(args) or 0)
     except (UsageError, ValueError, FileNotFoundError, TypeError) as e:
         print(f"capserve {args.command}: error: {e}", file=sys.stderr)
         return 2

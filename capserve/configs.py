@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+
+from capserve.records import checked_fields
 
 CIFAR10_LABELS = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR100_LABELS = (
@@ -124,9 +126,9 @@ MNIST_STD = (0.3081, 0.3081, 0.3081)
 Task = Literal["single_label", "multi_label"]
 # how parents are computed from children: "attention" is this package's inverted dot-product attention (Tsai et
 # al. 2020); the others are the paper's comparison systems, "dynamic" (Sabour et al. 2017) and "em" (Hinton et al.
-# 2018). Each brings its own layers, read-out and loss (capserve.model, capserve.routing.losses).
+# 2018). Each brings its own layers, read-out and loss: capserve.routing.registry.ROUTINGS, keyed by these names.
 RoutingAlgorithm = Literal["attention", "dynamic", "em"]
-ROUTING_ALGORITHMS: tuple[str, ...] = ("attention", "dynamic", "em")
+ROUTING_ALGORITHMS: tuple[str, ...] = get_args(RoutingAlgorithm)
 # what follows the backbone: "capsules" (a CapsNet), or a baseline CNN (capserve.model.cnn.CNN) whose conv layers have
 # as many neurons as the capsule layers they replace, read out by global average pooling ("avgpool") or by a learned
 # fully connected layer over the flattened map in place of pooling ("fc"). CNNs have no routing.
@@ -303,11 +305,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Build a config from JSON data, refusing keys this version does not know."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown model config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**data)
+        return cls(**checked_fields(cls, data, "model config"))
 
 
 def _cifar_layers(extra_fc: tuple[int, ...] = ()) -> tuple[CapsuleLayerConfig, ...]:
@@ -346,8 +344,9 @@ _DYNAMIC = dict(pose="vector", routing_algorithm="dynamic", routing="sequential"
 # EM routing's settings (Hinton et al. 2018): 4×4 matrix poses, no LayerNorm (EM capsules carry activations)
 _EM = dict(routing_algorithm="em", routing="sequential", pose="matrix", pose_dim=16, layer_norm=False, iterations=2)
 
-# Hinton et al.'s layout, conv capsules straight into the class capsules (with coordinate addition): an fc capsule
-# layer in between, as in our DiverseMultiMNIST configs, left the short CPU runs at chance (docs/routing.md, EM routing)
+# Hinton et al.'s layout, conv capsules straight into the class capsules (with coordinate addition), not the fc
+# capsule layer in between of our other DiverseMultiMNIST configs: with it, EM routing does not learn in a short CPU
+# run (docs/benchmarks.md, short training runs)
 _MULTIMNIST_EM_SMALL = {
     **_MULTIMNIST,
     **_EM,
@@ -368,13 +367,13 @@ MODELS: dict[str, ModelConfig] = {
         ModelConfig("cifar100-simple", CIFAR100_LABELS, backbone="simple", pose_dim=36, capsules=_cifar_layers((20,))),
         ModelConfig("multimnist-matrix", pose="matrix", **_MULTIMNIST),
         ModelConfig("multimnist-vector", pose="vector", **_MULTIMNIST),
-        # CPU-trainable DiverseMultiMNIST variant: 256 backbone channels and 4×4 poses (0.6 M parameters
-        # instead of 10 M), same layer structure as multimnist-matrix.
+        # CPU-trainable DiverseMultiMNIST variant: 256 backbone channels and 4×4 poses, a small fraction of
+        # multimnist-matrix's parameters, with its layer structure
         ModelConfig("multimnist-matrix-small", pose="matrix", **_MULTIMNIST_SMALL),
         # Baseline CNNs (capserve.model.cnn.CNN). DiverseMultiMNIST: the paper's "baseline CNN" (same backbone, conv
-        # layers with the neurons of the capsule layers they replace, average pooling; 79.81 %) and its CNN with a
-        # learned fully connected layer in place of pooling (84.84 %, 42.49 M parameters in the paper); the layer
-        # sizes are multimnist-matrix's (16 types × 64 = 1024 channels). The paper does not give its CNN's
+        # layers with the neurons of the capsule layers they replace, average pooling) and its CNN with a learned
+        # fully connected layer in place of pooling (the paper's accuracies: docs/benchmarks.md); the layer sizes
+        # are multimnist-matrix's (16 types × 64 = 1024 channels). The paper does not give its CNN's
         # normalisation: ours is BatchNorm + ReLU after each replacing conv.
         ModelConfig("multimnist-cnn-avgpool", head="avgpool", **_MULTIMNIST),
         ModelConfig("multimnist-cnn-fc", head="fc", **_MULTIMNIST),
@@ -385,7 +384,7 @@ MODELS: dict[str, ModelConfig] = {
         # CNN beside the routing algorithms on one backbone in benchmarks/bench_routing.py
         ModelConfig("cifar10-simple-cnn", CIFAR10_LABELS, backbone="simple", capsules=_cifar_layers(), head="avgpool"),
         ModelConfig("cifar10-conv-cnn", CIFAR10_LABELS, backbone="conv", capsules=_cifar_layers(), head="avgpool"),
-        # the paper's CIFAR-100 "baseline CNN" (62.30 %) on the simple backbone: cifar100-simple's layer sizes
+        # the paper's CIFAR-100 "baseline CNN" on the simple backbone: cifar100-simple's layer sizes
         # (32 types × 36 = 1152 channels), average pooling (ours: the paper's text does not name this CNN's read-out)
         ModelConfig(
             "cifar100-simple-cnn",
@@ -395,7 +394,7 @@ MODELS: dict[str, ModelConfig] = {
             capsules=_cifar_layers((20,)),
             head="avgpool",
         ),
-        # ResNet-18 (He et al. 2016), the paper's strong CNN (CIFAR-10 95.11 %), in its common CIFAR form: a 3×3
+        # ResNet-18 (He et al. 2016), the paper's strong CNN, in its common CIFAR form: a 3×3
         # stride-1 stem and no max-pool, for 32×32 inputs
         ModelConfig("cifar10-resnet18", CIFAR10_LABELS, backbone="resnet18", backbone_channels=64, head="avgpool"),
         ModelConfig("cifar100-resnet18", CIFAR100_LABELS, backbone="resnet18", backbone_channels=64, head="avgpool"),
@@ -413,8 +412,9 @@ MODELS: dict[str, ModelConfig] = {
         ModelConfig("cifar100-resnet-dynamic", CIFAR100_LABELS, pose_dim=36, capsules=_cifar_layers((20,)), **_DYNAMIC),
         # DiverseMultiMNIST CapsNet*: multimnist-vector's layers (64-d vectors) with dynamic routing, as the seed
         # paper compares routings on one architecture; and a CPU-trainable variant with the same layers, narrower
-        # (backbone 256, 8 primary and 8 conv capsule types, 8-d vectors like the original's primary capsules; 0.45 M
-        # parameters): at 16-d and 16 types a training step took ~5× as long as multimnist-matrix-small's
+        # (backbone 256, 8 primary and 8 conv capsule types, 8-d vectors like the original's primary capsules): a D×D
+        # vote matrix per (child, parent) makes 16-d vectors and 16 types far slower to train than
+        # multimnist-matrix-small
         ModelConfig("multimnist-capsnet", **{**_MULTIMNIST, **_DYNAMIC}),
         ModelConfig(
             "multimnist-capsnet-small",
@@ -432,8 +432,7 @@ MODELS: dict[str, ModelConfig] = {
         # finds EM best (its Figure 4; the EM paper itself uses 3, pick any T per call). CIFAR-100 routes its class
         # capsules straight from the conv capsules, as the EM paper does, not through our fc layer of 20 capsules:
         # with the EM paper's cost, 100 parents fed by 20 children leave parents that one child reaches, whose σ²
-        # sits at its floor and whose activation saturates (class logits up to 27 at initialisation on random images
-        # at T = 3, against 4 without it; measured).
+        # sits at its floor and whose activation saturates (class logits far from 0 at initialisation).
         *(
             ModelConfig(f"{data}-{backbone}-em", labels, backbone=backbone, capsules=_cifar_layers(), **_EM)
             for data, labels in (("cifar10", CIFAR10_LABELS), ("cifar100", CIFAR100_LABELS))
@@ -441,18 +440,11 @@ MODELS: dict[str, ModelConfig] = {
         ),
         # CPU-trainable EM model on DiverseMultiMNIST: multimnist-matrix-small's backbone and primary capsules with 8
         # capsule types instead of 16, the conv capsule layer at stride 2 (4×4 positions instead of 7×7: EM computes
-        # every vote at every iteration, forward and backward, which made the stride-1, 16-type layer ~4× slower to
-        # train than multimnist-matrix-small on this 2-core CPU) and no fc capsule layer (see _MULTIMNIST_EM_SMALL).
+        # every vote at every iteration, forward and backward, so the stride-1, 16-type layer trains far slower than
+        # multimnist-matrix-small) and no fc capsule layer (see _MULTIMNIST_EM_SMALL).
         ModelConfig("multimnist-em-small", **_MULTIMNIST_EM_SMALL),
     )
 }
-
-
-def update_is_read(layer: int, iteration: int, layers: int, iterations: int) -> bool:
-    """Concurrent routing: whether layer ``layer`` (0-based, of ``layers`` routed layers) updated at iteration
-    ``iteration`` (1-based) reaches the logits of a T = ``iterations`` run. Layer i's update at t is read by layer
-    i+1 at t+1, so it reaches the output only if t <= T - (layers - 1 - i); later updates are skipped."""
-    return iteration <= iterations - (layers - 1 - layer)
 
 
 def list_models() -> list[str]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The shipped default models, trained concurrently on one GPU from the packed data in .gpu/ (pack_gpu_data.py).
 # Run from the repository root. Outputs (best/ checkpoints, metrics, logs) go to $RUNS (default runs/gpu).
-# A CPU dry run of this exact script: RUNS=/tmp/dry BUDGET=15 VAL=200 DEVICE=cpu SMALL=1 scripts/gpu_train.sh
+# A CPU dry run of this exact script: RUNS=runs/dry BUDGET=15 VAL=200 DEVICE=cpu SMALL=1 scripts/gpu_train.sh
 set -u
 RUNS=${RUNS:-runs/gpu}
 BUDGET=${BUDGET:-420}       # seconds of training per model (both run at the same time)
@@ -32,6 +32,6 @@ wait $pc; rc_c=$?
 wait $pm; rc_m=$?
 echo "cifar10 rc=$rc_c multimnist rc=$rc_m wall=$(( $(date +%s) - start ))s"
 tail -n 25 "$RUNS/cifar10.log"; tail -n 25 "$RUNS/multimnist.log"
-# everything that matters in one archive (the device tool brings back at most 8 files)
+# everything that matters in one archive, to copy back from the GPU machine in one file
 tar -czf "$RUNS/runs.tar.gz" -C "$RUNS" --exclude='last' cifar10 multimnist 2>/dev/null
 ls -la "$RUNS"

@@ -4,7 +4,7 @@ CIFAR-10's training set (154 MB as pickles) becomes JPEG mosaics (quality 93, 4:
 mean absolute pixel error about 2.4/255, printed below); the MNIST training IDX files are copied as they are.
 Test sets stay behind: evaluate on the original files with ``capserve evaluate``.
 
-    python scripts/pack_gpu_data.py --data /work/shared/data --out .gpu
+    python scripts/pack_gpu_data.py --data data/ --out .gpu
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ from capserve.data.builtin import load_cifar10, load_mnist, load_pack, pack_cifa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="folder with cifar-10-batches-py and MNIST/raw (any usual layout)")
+    p.add_argument(
+        "--data",
+        default="data",
+        help="folder with cifar-10-batches-py and MNIST/raw, any usual layout (default: %(default)s)",
+    )
     p.add_argument("--out", default=".gpu")
     p.add_argument("--quality", type=int, default=93)
     p.add_argument("--subsampling", default="4:4:4")

@@ -1,28 +1,11 @@
 """Your own images: an image folder (single-label) or a CSV manifest (multi-label), decoded once into a uint8 cache.
 
-Layouts
-    Folder  ``DIR/<label>/<images>``, or ``DIR/train/<label>/<images>`` with optional ``DIR/val/`` and ``DIR/test/``
-            in the same layout. Labels are the training split's folder names, sorted and kept exactly (spaces,
-            non-ASCII letters). Images may sit at any depth under their label folder; files whose suffix is not an
-            image suffix (``IMAGE_SUFFIXES``) and hidden files are ignored.
-    CSV     a header naming the columns ``image`` (a path relative to the CSV's folder; ``../`` and absolute paths
-            are refused with the line number) and ``labels`` (label names separated by spaces, or by
-            ``label_separator``, e.g. ``;`` or ``|``, for names that hold spaces; empty: none of the labels),
-            optionally ``split`` (``train``/``val``/``test``; empty: train). Multi-label; the labels are the
-            sorted union of the training rows' labels.
-
-Validation: where the data has no val split, ``val_size`` training images (a count, or a fraction of train) are
-carved out by a fixed seed, stratified by label for single-label data (every label keeps a training image). The
-carve works on the file list, so training, ``capserve evaluate --split val`` and calibration all see the same split.
-
-Preprocessing is ``capserve.data.images.load_image``, the service's own path for an upload (EXIF orientation, modes,
-transparency over white, centre square, resize), at the model's channels and size, so a served image is prepared
-exactly as its training images were. ``build_cache`` keeps the decoded splits as uint8 tensors in one safetensors
-file, keyed by a fingerprint of the files (path, size, modification time), labels, split and input size: unchanged
-data is never decoded twice.
-
-Bad files (unreadable, corrupt, too small for the service) are skipped and counted, the first few named in the log;
-when more than ``MAX_FAILED_FRACTION`` of the files fail, ``DataError`` stops the run with the list.
+``scan`` reads the layout into a ``Manifest`` (docs/own-data.md has the layouts); ``carve`` draws the validation
+split from the file list, so training, ``capserve evaluate --split val`` and INT8 calibration all see the same
+split. Images are decoded by ``capserve.data.images.load_image``, the service's own path for an upload, so a served
+image is prepared exactly as its training images were. ``build_cache`` keeps the decoded splits in one safetensors
+file keyed by a fingerprint of the files, labels, splits and input size: unchanged data is never decoded twice. Bad
+files are skipped and counted; more than ``MAX_FAILED_FRACTION`` of them stops the run (``DataError``).
 """
 
 from __future__ import annotations
@@ -325,6 +308,19 @@ def carve(samples: Sequence[Sample], count: int, stratified: bool, seed: int = V
     return np.flatnonzero(~val).tolist(), np.flatnonzero(val).tolist()
 
 
+def draw(
+    samples: Sequence[Sample], count: int, stratify: bool = True, seed: int = VAL_SEED
+) -> tuple[list[int], list[int], bool]:
+    """``carve`` of ``count`` samples, stratified by label when ``stratify``, every sample has one label and each
+    label can spare its share; else a plain seeded draw. Returns (the rest, the drawn, whether it was stratified)."""
+    if stratify and all(len(s.labels) == 1 for s in samples):
+        try:
+            return *carve(samples, count, True, seed), True
+        except DataError:  # a label with too few images to leave one behind
+            pass
+    return *carve(samples, count, False, seed), False
+
+
 def with_validation(manifest: Manifest, val_size: int | float) -> tuple[Manifest, int]:
     """The manifest with a val split (carved from train when the data has none) and the carved count (0 if none)."""
     if manifest.splits.get("val"):
@@ -424,6 +420,19 @@ def iter_decoded(
             yield (np.stack(arrays) if arrays else empty), kept
 
 
+def decode_all(
+    samples: Sequence[Sample], spec: InputSize, failures: FailureLog, desc: str
+) -> tuple[np.ndarray, list[int]]:
+    """Every readable image of ``samples`` as uint8 (N, C, H, W), and the indices of the samples they are."""
+    parts, kept = [], []
+    for images, index in iter_decoded(samples, spec, failures, desc=desc):
+        parts.append(images)
+        kept += index
+    if not parts:
+        return np.zeros((0, spec.in_channels, spec.image_size, spec.image_size), np.uint8), kept
+    return np.concatenate(parts), kept
+
+
 def decode_split(
     samples: Sequence[Sample],
     labels: Sequence[str],
@@ -433,16 +442,8 @@ def decode_split(
     desc: str,
 ) -> Split:
     """Every readable image of ``samples`` as a ``Split`` (images (N, C, H, W) uint8 and targets)."""
-    parts, kept = [], []
-    for images, index in iter_decoded(samples, spec, failures, desc=desc):
-        parts.append(torch.from_numpy(images))
-        kept += index
-    images = (
-        torch.cat(parts)
-        if parts
-        else torch.zeros(0, spec.in_channels, spec.image_size, spec.image_size, dtype=torch.uint8)
-    )
-    return Split(images, targets_for([samples[i] for i in kept], labels, multi_label))
+    images, kept = decode_all(samples, spec, failures, desc)
+    return Split(torch.from_numpy(images), targets_for([samples[i] for i in kept], labels, multi_label))
 
 
 # ------------------------------------------------------------------------------------------------ the cache

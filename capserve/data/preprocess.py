@@ -36,3 +36,17 @@ def normalize_numpy(images: np.ndarray, mean: Sequence[float], std: Sequence[flo
 def normalize_images(images: np.ndarray, spec: InputSpec) -> np.ndarray:
     """uint8 (B, C, H, W) → float32 (B, C, H, W) normalised with the model's mean and std."""
     return normalize_numpy(images, spec.mean, spec.std)
+
+
+def data_mean_std(images: Tensor, chunk: int = 4096) -> dict[str, tuple[float, ...]]:
+    """Per-channel mean and std of uint8 images (N, C, H, W) on the 0..1 scale, rounded to 4 digits (the std at
+    least 1/255, so that a constant channel does not divide by zero); summed in float64 one chunk at a time."""
+    C = images.shape[1]
+    sums = torch.zeros(2, C, dtype=torch.float64)
+    for start in range(0, len(images), chunk):
+        x = images[start : start + chunk].to("cpu", torch.float64) / 255  # (n, C, H, W)
+        sums += torch.stack([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3))])
+    n = max(images.numel() // max(C, 1), 1)
+    mean = sums[0] / n
+    std = (sums[1] / n - mean**2).clamp_min(0).sqrt().clamp_min(1 / 255)
+    return {"mean": tuple(round(v, 4) for v in mean.tolist()), "std": tuple(round(v, 4) for v in std.tolist())}

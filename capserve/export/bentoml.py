@@ -15,10 +15,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from capserve.model.checkpoint import CONFIG, WEIGHTS, file_sha256, read_config
+from capserve.errors import ExportError
+from capserve.hashing import file_sha256
+from capserve.model.checkpoint import CONFIG, WEIGHTS, read_config
 from capserve.runtime.metadata import METADATA_KEY
 
-from .onnx import ExportError
+from .onnx import read_metadata
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ MODULE = "capserve"  # the stored model's framework ("module") in `bentoml model
 def _onnx_weights_sha256(path: Path) -> str:
     import onnx
 
-    props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    props = read_metadata(onnx.load(str(path), load_external_data=False))
     if METADATA_KEY not in props:
         raise ExportError(f"{path} has no {METADATA_KEY!r} metadata: re-export it with `capserve export onnx`")
     return json.loads(props[METADATA_KEY]).get("weights_sha256", "")

@@ -1,36 +1,10 @@
-"""INT8 export: an FP32 graph quantized by ONNX Runtime, calibrated on the user's images, and gated on held-out ones.
+"""INT8 export: an FP32 graph quantized by ONNX Runtime (QDQ), calibrated on the user's images
+(``capserve.export.calibration``) and refused below the gate (``capserve.export.gate``) unless forced.
 
-Steps, top to bottom:
-
-1. **Calibration data** (``read_calibration``): ``--calibration DATA`` is a folder or CSV in ``capserve train
-   --data`` layout (``capserve.data.own``), or a built-in dataset's folder (CIFAR pickles, MNIST IDX). Images are
-   decoded and normalised exactly as training and the service do (``capserve.data.preprocess``). ``count`` images
-   come from the training split, stratified by label for single-label data (``capserve.data.own.carve``); the
-   gate's held-out images come from the data's test split, else its val split, else the training images calibration
-   did not use (own data), or the validation split the model was trained without (built-in data).
-2. **Quantization** (``Quantizer``): the FP32 graph is pre-processed (``quant_pre_process``: constant folding turns
-   the capsule layers' reshaped weights into initializers, so their Conv/MatMul get per-channel int8 weights),
-   calibrated once (min-max by default), then ``quantize_static`` writes a QDQ graph: per-channel symmetric int8
-   weights, per-tensor activations (uint8 for ONNX Runtime on CPUs, symmetric int8 for TensorRT, which accepts
-   nothing else). Conv, MatMul and Gemm are quantized; LayerNorms, softmax and the routing's products of two
-   activations stay in float (``excluded_nodes``).
-3. **Sensitivity search** (``keep_sensitive_in_float``): when INT8 agrees with FP32 below the bound on the
-   calibration images, the most sensitive weighted nodes are left in float, one at a time (at most
-   ``MAX_FLOAT_NODES``).
-4. **Gate** (``score``): FP32 and INT8 graphs on the held-out images; top-1 (or label-set) agreement, and top-1
-   (or exact-match) accuracy of both. At or above ``MIN_AGREEMENT`` it passes; below it the file is not written
-   unless ``force``, and the refusal says what was measured (``diagnose``: fp32's margins, int8's logit error,
-   agreement per class, on the calibration images too) and the likelier causes in that light, in order.
-
-The file keeps capserve's metadata (``capserve.export.onnx.metadata_props``) with ``capserve.precision`` = ``int8``
-and ``capserve.int8``: JSON with the calibration and gate summary (``Int8Summary``), which ``capserve verify --int8``
-reads to repeat the gate.
-
-What was measured (docs/int8.md has the tables and commands): on the shipped cifar10-resnet, min-max, percentile
-and entropy calibration are within 3 of 2,000 test images of each other, so min-max (fastest to calibrate) is the
-default. On the shipped multimnist-matrix-small, quantizing everything gives label-set agreement 0.960 (refused);
-percentile calibration 0.966; leaving the routing's MatMuls in float changes nothing; leaving the one Conv that
-computes the convolutional capsule layer's votes in float gives 0.979 at 2.3x fp32, and the search finds that node.
+Top to bottom: which nodes stay in float (``excluded_nodes``), the quantizer (``Quantizer``: pre-processing,
+one calibration, ``quantize_static``), the sensitivity search (``keep_sensitive_in_float``), the TensorRT checks,
+the summary the file records (``Int8Summary``, read back by ``capserve verify --int8``) and ``export_int8``.
+docs/int8.md explains the choices and has the measurements behind the defaults.
 """
 
 from __future__ import annotations
@@ -47,158 +21,23 @@ from typing import Any
 
 import numpy as np
 
-from capserve.configs import ModelConfig
 from capserve.errors import ExportError, Int8GateError
+from capserve.records import checked_fields
 from capserve.runtime.metadata import METADATA_KEY, PRECISION_KEY, ModelMetadata
-from capserve.runtime.outputs import thresholds_or_default
-from capserve.runtime.precision import AgreementReport, compare_precisions, decisions
+from capserve.runtime.precision import compare_precisions
 
-from .onnx import read_metadata, set_metadata
+from .calibration import DEFAULT_IMAGES, GATE_IMAGES, read_calibration
+from .gate import INT8_MIN_AGREEMENT, GateReport, diagnose, score
+from .onnx import DEFAULT_OPSET, export_onnx, load_checkpoint, read_metadata, set_metadata
 
 log = logging.getLogger(__name__)
 
 INT8_KEY = "capserve.int8"  # metadata_props key: the Int8Summary JSON
-DEFAULT_IMAGES = 512  # calibration images
-GATE_IMAGES = 1000  # held-out images the gate scores (at most)
-# Least top-1 (label-set) agreement of INT8 with FP32 on held-out images. Measured on 1,000 validation images: the
-# shipped cifar10-resnet agrees on 0.996 (top-1 94.5 -> 94.2 %); multimnist-matrix-small fully quantized on 0.960
-# (exact match 87.9 -> 86.2 %, refused: 1.7 points lost), with its capsule-vote Conv in float (what the search
-# picks) on 0.979 (87.9 -> 87.3 %); calibrated on blank images cifar10 falls far below it. One bound for both tasks:
-# label-set agreement is stricter than top-1, and 0.97 already keeps the loss under a point on each.
-MIN_AGREEMENT = 0.97
 TARGETS = {"onnxruntime": "uint8 activations (x86 u8s8 kernels)", "tensorrt": "symmetric int8 activations"}
 QUANTIZED_OPS = ("Conv", "MatMul", "Gemm")
 METHODS = ("minmax", "percentile", "entropy")
 # The most Conv/MatMul nodes the sensitivity search leaves in float (each costs speed; see keep_sensitive_in_float).
 MAX_FLOAT_NODES = 3
-
-
-# ------------------------------------------------------------------------------------------------ calibration data
-
-
-@dataclass
-class CalibrationSet:
-    """Normalised images (N, C, H, W) float32 to calibrate on, and held-out images with targets for the gate."""
-
-    images: np.ndarray  # (N, C, H, W)
-    held_out: np.ndarray  # (M, C, H, W)
-    targets: np.ndarray | None  # (M,) class indices, or (M, C) multi-hot; None when the held-out images have no labels
-    source: str
-    split: str  # where the held-out images came from
-    stratified: bool
-
-
-def _normalised(pixels: np.ndarray, spec: Any) -> np.ndarray:
-    from capserve.data.preprocess import normalize_images
-
-    return normalize_images(pixels, spec).astype(np.float32)  # (N, C, H, W)
-
-
-def _decode(samples: Sequence[Any], config: ModelConfig, source: Path, desc: str) -> tuple[np.ndarray, list[int]]:
-    """uint8 (N, C, H, W) of ``samples``, decoded as training and the service do; unreadable files skipped."""
-    from capserve.data.own import FailureLog, iter_decoded
-
-    failures = FailureLog(len(samples), source)
-    parts, kept = [], []
-    for images, index in iter_decoded(samples, config, failures, desc=desc):
-        parts.append(images)
-        kept += index
-    failures.check()
-    if not kept:
-        raise ExportError(f"no readable images in {source} to {desc.split()[0]} on")
-    return np.concatenate(parts), kept
-
-
-def _own_data(path: Path, config: ModelConfig, count: int, gate_images: int) -> CalibrationSet:
-    from capserve.data.own import carve, check_labels, scan, targets_for
-
-    manifest = scan(path)
-    check_labels(manifest, config.labels, "the model's labels", ("train", "val", "test"))
-    train = manifest.splits["train"] or [s for split in manifest.splits.values() for s in split]
-    stratified = manifest.task == "single_label" and all(len(s.labels) == 1 for s in train)
-    count = min(count, len(train))
-    try:
-        rest, chosen = carve(train, count, stratified) if count < len(train) else ([], list(range(len(train))))
-    except ValueError:  # a label with too few images to leave one behind: draw without strata
-        stratified = False
-        rest, chosen = carve(train, count, False)
-    held, split = next(
-        ((manifest.splits[s], s) for s in ("test", "val") if manifest.splits.get(s)),
-        ([train[i] for i in rest], "train images not used for calibration"),
-    )
-    if len(held) > gate_images:  # a seeded draw, every label in its share: a folder's scan order is by label
-        held_stratified = manifest.task == "single_label" and all(len(s.labels) == 1 for s in held)
-        try:
-            _, drawn = carve(held, gate_images, held_stratified)
-        except ValueError:
-            _, drawn = carve(held, gate_images, False)
-        held = [held[i] for i in sorted(drawn)]
-    calibration, _ = _decode([train[i] for i in chosen], config, manifest.source, "calibration images")
-    targets = None
-    held_out = np.zeros((0, *calibration.shape[1:]), np.uint8)
-    if held:
-        held_out, kept = _decode(held, config, manifest.source, "held-out images")
-        labelled = all(s.labels for s in held) or config.task == "multi_label"
-        if labelled:
-            targets = targets_for([held[i] for i in kept], config.labels, config.task == "multi_label").numpy()
-    return CalibrationSet(
-        _normalised(calibration, config), _normalised(held_out, config), targets, str(path), split, stratified
-    )
-
-
-def _builtin(path: Path, config: ModelConfig, count: int, gate_images: int) -> CalibrationSet:
-    """CIFAR-10/100 or DiverseMultiMNIST from its own files: calibration from the training part, the gate on the
-    validation split the model's training carved (``val_size`` recorded in its config; 5,000 by default)."""
-    import torch
-
-    from capserve.data import dataset_for, load_training, multimnist
-
-    dataset = config.extra.get("data", {}).get("dataset") or dataset_for(config.labels, config.task, config.image_size)
-    val_size = config.extra.get("data", {}).get("val_size") or 5000
-    data = load_training(dataset, path, val_size=val_size)
-    g = torch.Generator().manual_seed(0)
-    if data.train is not None:  # CIFAR: stratified draw
-        targets = data.train.targets.numpy()
-        rng = np.random.default_rng(0)
-        per_class = [rng.permutation(np.flatnonzero(targets == c)) for c in range(config.num_classes)]
-        order = np.concatenate(per_class)[
-            np.argsort(np.concatenate([np.arange(len(p)) for p in per_class]), kind="stable")
-        ]  # round-robin over the classes
-        calibration, stratified = data.train.images[torch.from_numpy(order[:count])].numpy(), True
-    else:  # DiverseMultiMNIST: images drawn from the training digits
-        digits, labels = data.digits
-        calibration, stratified = multimnist(digits, labels, count, g).images.numpy(), False
-    held = data.val.subset(torch.arange(min(gate_images, len(data.val))))
-    return CalibrationSet(
-        _normalised(calibration, config),
-        _normalised(held.images.numpy(), config),
-        held.targets.numpy(),
-        str(path),
-        f"{dataset} validation split",
-        stratified,
-    )
-
-
-def read_calibration(
-    data: str | Path, config: ModelConfig, count: int = DEFAULT_IMAGES, gate_images: int = GATE_IMAGES
-) -> CalibrationSet:
-    """Calibration and held-out images for ``config``'s model from a folder/CSV (or a built-in dataset's folder)."""
-    from capserve.data.own import is_own_data
-
-    if count < 1:
-        raise ExportError(f"--calibration-images must be >= 1, got {count}")
-    path = Path(data)
-    if not path.exists():
-        raise ExportError(
-            f"--calibration {path} does not exist: pass a folder of label folders or a CSV "
-            "(`capserve train --data` layout)"
-        )
-    if is_own_data(path):
-        return _own_data(path, config, count, gate_images)
-    return _builtin(path, config, count, gate_images)
-
-
-# ------------------------------------------------------------------------------------------------ quantization
 
 
 def excluded_nodes(proto: Any) -> list[str]:
@@ -388,7 +227,7 @@ def keep_sensitive_in_float(
     *calibration* images, not the held-out ones, so that the gate that follows is an unbiased check of the choice."""
 
     def agreement_with(nodes: list[str]) -> float:
-        int8 = _session(quantizer.build(nodes))
+        int8 = runtime_for(quantizer.build(nodes))
         return compare_precisions(fp32, int8, quantizer.images, bound).agreement
 
     return search_float_nodes(quantizer.weighted, agreement_with, bound, max_nodes, keep_float)
@@ -433,172 +272,7 @@ def check_tensorrt_int8(path: str | Path, data: bytes, precision: str, fp16: boo
         )
 
 
-# ------------------------------------------------------------------------------------------------ the gate
-
-
-@dataclass(frozen=True)
-class GateReport:
-    """INT8 against FP32 on held-out images: agreement (``AgreementReport``) and the accuracy of both."""
-
-    check: AgreementReport
-    metric: str  # "top-1" or "exact match"
-    fp32_accuracy: float | None  # None without labels
-    int8_accuracy: float | None
-    split: str
-
-    @property
-    def passed(self) -> bool:
-        return self.check.passed
-
-    def __str__(self) -> str:
-        c = self.check
-        text = (
-            f"int8 vs fp32 {c.measure} agreement {c.agreement:.4f} on {c.images} held-out images ({self.split}; "
-            f"bound {c.bound:g}), max |Δlogit| {c.max_abs_logit:.3g}"
-        )
-        if self.fp32_accuracy is not None:
-            text += f"; {self.metric} fp32 {self.fp32_accuracy:.2%}, int8 {self.int8_accuracy:.2%}"
-        return text
-
-
-def accuracy(logits: np.ndarray, targets: np.ndarray, metadata: ModelMetadata) -> float:
-    """Top-1 (single-label) or exact match with the model's thresholds (multi-label) of logits (N, C)."""
-    chosen = decisions(logits, metadata)  # (N, 1) or (N, C)
-    truth = targets[:, None] if metadata.task != "multi_label" else targets > 0.5  # (N, 1) or (N, C)
-    return float((chosen == truth).all(axis=1).mean())
-
-
-def score(
-    fp32: Any,
-    int8: Any,
-    held_out: np.ndarray,
-    targets: np.ndarray | None,
-    split: str,
-    bound: float = MIN_AGREEMENT,
-    batch_size: int = 100,
-) -> GateReport:
-    """The gate: two runtimes (``load_runtime`` of the FP32 and INT8 graphs) on held-out images (M, C, H, W)."""
-    if not len(held_out):
-        raise ExportError(
-            "no held-out images to check the int8 graph on: give --calibration data with a test or "
-            "val split, or more images than --calibration-images"
-        )
-    check = compare_precisions(fp32, int8, held_out, bound, batch_size)
-    check = dataclasses.replace(check, candidate="int8", sample="held-out images")
-    meta = fp32.metadata
-    metric = "exact match" if meta.task == "multi_label" else "top-1"
-    if targets is None:
-        return GateReport(check, metric, None, None, split)
-    chunks = range(0, len(held_out), batch_size)
-    a = np.concatenate([fp32.predict(held_out[i : i + batch_size]) for i in chunks])  # (M, C)
-    b = np.concatenate([int8.predict(held_out[i : i + batch_size]) for i in chunks])  # (M, C)
-    return GateReport(check, metric, accuracy(a, targets, meta), accuracy(b, targets, meta), split)
-
-
-def _logits(runtime: Any, images: np.ndarray, batch_size: int = 100) -> np.ndarray:
-    """``runtime``'s logits (N, C) for normalised images (N, C, H, W), in batches."""
-    return np.concatenate([runtime.predict(images[i : i + batch_size]) for i in range(0, len(images), batch_size)])
-
-
-def decision_margins(logits: np.ndarray, metadata: ModelMetadata) -> np.ndarray:
-    """How far each image (logits (N, C)) is from another decision, in logits: top-1 minus the runner-up
-    (single-label), or the distance of the logit nearest its threshold's logit (multi-label). (N,)"""
-    if metadata.task != "multi_label":
-        top = np.sort(logits.astype(np.float64), axis=1)
-        return top[:, -1] - top[:, -2] if logits.shape[1] > 1 else np.full(len(logits), np.inf)
-    t = np.clip(thresholds_or_default(metadata.thresholds, logits.shape[1]), 1e-12, 1 - 1e-12)
-    return np.abs(logits.astype(np.float64) - np.log(t / (1 - t))).min(axis=1)
-
-
-# Per-class agreements named in a refusal (the lowest first)
-SHOWN_CLASSES = 3
-
-
-def diagnose(
-    held_out: tuple[np.ndarray, np.ndarray],
-    calibration: tuple[np.ndarray, np.ndarray],
-    metadata: ModelMetadata,
-    bound: float,
-    calibration_data: str,
-    max_float_nodes: int,
-) -> str:
-    """Why an INT8 graph failed the gate, from the (fp32, int8) logits (N, C) of the held-out and of the calibration
-    images: what was measured, then the likelier causes in the order the measurements point to.
-
-    int8's error on its own calibration images is its rounding where the calibrated ranges fit; fp32's margins set
-    against it tell a model that decides by near-ties (weakly trained: any rounding flips them, no calibration
-    helps) from a quantization that is too coarse, and the calibration images' own agreement tells whether int8
-    fails only on images unlike those it was calibrated on."""
-    multi = metadata.task == "multi_label"
-    fp32, int8 = held_out
-
-    def agree(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # (N,): the same decision
-        return (decisions(a, metadata) == decisions(b, metadata)).all(axis=1)
-
-    def shift(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # (N,): how far int8 moves each image's logits
-        return np.abs(b.astype(np.float64) - a).max(axis=1)
-
-    margins, same = decision_margins(fp32, metadata), agree(fp32, int8)  # (N,), (N,)
-    agreement, calibration_agreement = float(same.mean()), float(agree(*calibration).mean())
-    rounding = float(np.median(shift(*calibration)))
-    reach = rounding * (1 if multi else 2)  # a flip of the top two moves both logits; a threshold decision one
-    near = float((margins <= reach).mean())  # the held-out images int8's rounding alone can flip
-    what = "the logit nearest its threshold" if multi else "top-1 minus runner-up logit"
-    measured = (
-        f"fp32's margins ({what}): median {np.median(margins):.3g} over the {len(margins)} held-out images"
-        + (
-            f", {np.median(margins[~same]):.3g} over the {int((~same).sum())} int8 decides otherwise"
-            if (~same).any()
-            else ""
-        )
-        + f"; on the calibration images int8 agrees on {calibration_agreement:.4f} and moves logits by "
-        f"{rounding:.3g} (median of each image's max |Δlogit|; {np.median(shift(fp32, int8)):.3g} on the "
-        f"held-out), within reach of another decision for {near:.0%} of the held-out images"
-    )
-    if multi:  # per label: that label's decision
-        per = (decisions(int8, metadata) == decisions(fp32, metadata)).mean(axis=0)  # (C,)
-        counts = np.full(len(per), len(fp32))
-        title = "agreement per label, lowest"
-    else:  # per class of fp32's answer
-        answer = fp32.argmax(1)
-        counts = np.bincount(answer, minlength=fp32.shape[1])
-        per = np.array([same[answer == c].mean() if counts[c] else np.inf for c in range(fp32.shape[1])])
-        title = "agreement per class of fp32's answer, lowest"
-    order = [c for c in np.argsort(per, kind="stable") if np.isfinite(per[c])][:SHOWN_CLASSES]
-    classes = ", ".join(f"{metadata.labels[c]} {per[c]:.2f} of {counts[c]}" for c in order)
-
-    weak = (
-        f"the model decides by small margins (weakly trained?): {near:.0%} of the held-out images sit within "
-        "int8's rounding of another decision, and no calibration changes that; train it further, or lower "
-        "--min-agreement / pass --force if this fp32 model is the one to serve"
-    )
-    covered = calibration_agreement >= bound  # int8 holds on the images it was calibrated on
-    if covered:
-        unlike = (
-            f"the calibration images ({calibration_data}) do not cover the held-out ones: int8 agrees with "
-            f"fp32 on {calibration_agreement:.4f} of them but on {agreement:.4f} of the held-out; calibrate on "
-            "images like the served ones, or on more of them (--calibration-images)"
-        )
-    else:
-        unlike = (
-            f"the calibration images ({calibration_data}) may not look like the served ones (the least "
-            f"likely: int8 disagrees on them too); calibrate on images like the served ones, or on more of "
-            "them (--calibration-images)"
-        )
-    coarse = (
-        f"some layers lose too much to int8 (it moves logits by up to {shift(fp32, int8).max():.3g}): leave "
-        f"the most sensitive in float (--max-float-nodes, {max_float_nodes} this time; or --keep-float NODE), "
-        "or try --calibration-method percentile"
-    )
-    if near >= 1 - bound:  # near-ties alone can account for failing the gate
-        causes = [weak, *((unlike, coarse) if covered else (coarse, unlike))]
-    else:
-        causes = [unlike, coarse, weak] if covered else [coarse, unlike, weak]
-    listed = "".join(f"\n  ({i}) {cause}" for i, cause in enumerate(causes, 1))
-    return f"Measured: {measured}; {title}: {classes}.\nLikelier causes, in order:{listed}"
-
-
-def _session(proto: Any) -> Any:
+def runtime_for(proto: Any) -> Any:
     """An ``OnnxRuntime`` for an in-memory graph (written to a temporary file: the runtime opens paths)."""
     import onnx
 
@@ -637,12 +311,12 @@ class Int8Summary:
 
     @classmethod
     def from_json(cls, text: str) -> Int8Summary:
-        data = json.loads(text)
-        known = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(data, dict) or set(data) - known or known - set(data):
+        try:
+            data = checked_fields(cls, json.loads(text), "int8 summary")
+        except ValueError as e:  # json.JSONDecodeError included
             raise ExportError(
-                f"{INT8_KEY!r} is not a capserve int8 summary; re-export with `capserve export onnx --int8`"
-            )
+                f"{INT8_KEY!r} is not a capserve int8 summary ({e}); re-export with `capserve export onnx --int8`"
+            ) from e
         return cls(
             **{
                 **data,
@@ -665,9 +339,6 @@ def fp32_graph(
     ``model.onnx`` when it was exported from these weights at this T (and opset, if one is asked for), else a fresh
     export (tracing takes tens of seconds)."""
     import onnx
-
-    from capserve.export.onnx import DEFAULT_OPSET, export_onnx
-    from capserve.runtime.metadata import ModelMetadata
 
     T = iterations or (model.config.iterations if model.config.has_routing else None)  # a CNN has no T
     shipped = Path(checkpoint) / "model.onnx"
@@ -704,7 +375,7 @@ def export_int8(
     iterations: int | None = None,
     images: int = DEFAULT_IMAGES,
     gate_images: int = GATE_IMAGES,
-    min_agreement: float = MIN_AGREEMENT,
+    min_agreement: float = INT8_MIN_AGREEMENT,
     force: bool = False,
     target: str = "onnxruntime",
     method: str = "minmax",
@@ -730,8 +401,6 @@ def export_int8(
     """
     import onnx
 
-    from capserve.export.onnx import load_checkpoint
-
     if not 0 <= min_agreement <= 1:
         raise ExportError(f"--min-agreement must be in [0, 1], got {min_agreement}")
     if max_float_nodes < 0:
@@ -739,21 +408,21 @@ def export_int8(
     model, digest = load_checkpoint(checkpoint)
     data = read_calibration(calibration, model.config, images, gate_images)
     fp32_proto = fp32_graph(checkpoint, model, digest, iterations, opset)
-    fp32 = _session(fp32_proto)
+    fp32 = runtime_for(fp32_proto)
     with Quantizer(fp32_proto, data.images, target, method) as quantizer:
         kept, calibration_agreement, steps = keep_sensitive_in_float(
             quantizer, fp32, min_agreement, max_float_nodes, keep_float
         )
         proto = quantizer.build(kept)
         float_nodes = quantizer.activation_products + kept
-    int8 = _session(proto)
+    int8 = runtime_for(proto)
     report = score(fp32, int8, data.held_out, data.targets, data.split, min_agreement)
     log.debug("%s", report)
     searched = f"; left in float by the search: {', '.join(s.node for s in steps)}" if steps else ""
     if not report.passed and not force:
         why = diagnose(
-            (_logits(fp32, data.held_out), _logits(int8, data.held_out)),
-            (_logits(fp32, data.images), _logits(int8, data.images)),
+            (fp32.predict_in_batches(data.held_out, 100), int8.predict_in_batches(data.held_out, 100)),
+            (fp32.predict_in_batches(data.images, 100), int8.predict_in_batches(data.images, 100)),
             fp32.metadata,
             min_agreement,
             f"{len(data.images)} of --calibration {calibration}",
@@ -799,113 +468,3 @@ def read_summary(path: str | Path) -> Int8Summary:
             "make one with `capserve export onnx MODEL_DIR -o OUT.onnx --int8 --calibration DATA`"
         )
     return Int8Summary.from_json(props[INT8_KEY])
-
-
-def verify_int8(
-    artifact: str | Path,
-    checkpoint: str | Path,
-    data: str | Path | None = None,
-    min_agreement: float | None = None,
-    gate_images: int = GATE_IMAGES,
-) -> int:
-    """``capserve verify --int8``: the export's gate again, FP32 (from ``checkpoint``, at the file's T) against
-    the INT8 file, on the held-out images of ``data`` (default: the calibration data the file records). Prints the
-    report; returns 0 when it passes, 1 when not."""
-    from capserve.export.onnx import load_checkpoint
-    from capserve.runtime.onnx_backend import OnnxRuntime
-
-    summary = read_summary(artifact)
-    int8 = OnnxRuntime(artifact)
-    model, digest = load_checkpoint(checkpoint)
-    if int8.metadata.weights_sha256 != digest:
-        log.warning("%s was exported from another weights file than %s", artifact, checkpoint)
-    data = data or summary.calibration
-    held = read_calibration(data, model.config, summary.calibration_images, gate_images)
-    # the reference, named so in the log: verifying quantizes nothing
-    fp32 = _session(fp32_graph(checkpoint, model, digest, int8.metadata.iterations, use="as the reference"))
-    bound = summary.bound if min_agreement is None else min_agreement
-    report = score(fp32, int8, held.held_out, held.targets, held.split, bound)
-    print(
-        f"{artifact}: {int8.metadata.name}, int8 ({summary.target}, {summary.method} on "
-        f"{summary.calibration_images} images of {summary.calibration}); fp32 reference {checkpoint}; data {data}"
-    )
-    print(report)
-    print("passed" if report.passed else "FAILED: agreement below the bound")
-    return 0 if report.passed else 1
-
-
-# ------------------------------------------------------------------------------------------------ command line
-
-
-def add_int8_arguments(p: Any) -> None:
-    """``capserve export onnx``'s INT8 options."""
-    p.add_argument("--int8", action="store_true", help="INT8 QDQ graph calibrated on --calibration, gated against FP32")
-    p.add_argument(
-        "--calibration",
-        help="calibration images: a folder or CSV in `capserve train --data` layout (or a built-in dataset's folder)",
-    )
-    p.add_argument(
-        "--calibration-images",
-        type=int,
-        default=DEFAULT_IMAGES,
-        help="images to calibrate on, stratified by label when it can (default %(default)s)",
-    )
-    p.add_argument("--calibration-method", choices=METHODS, default="minmax", help="(default %(default)s)")
-    p.add_argument(
-        "--int8-target",
-        choices=list(TARGETS),
-        default="onnxruntime",
-        help="onnxruntime: uint8 activations for CPUs; tensorrt: symmetric int8 for `capserve export "
-        "tensorrt --int8` (default %(default)s)",
-    )
-    p.add_argument(
-        "--min-agreement",
-        type=float,
-        default=MIN_AGREEMENT,
-        help="least top-1 (label-set) agreement with FP32 on held-out images (default %(default)s)",
-    )
-    p.add_argument(
-        "--keep-float",
-        nargs="+",
-        default=[],
-        metavar="NODE",
-        help="Conv/MatMul/Gemm nodes to leave in float (names as in the graph; a wrong one lists them)",
-    )
-    p.add_argument(
-        "--max-float-nodes",
-        type=int,
-        default=MAX_FLOAT_NODES,
-        help="when INT8 agrees with FP32 below --min-agreement on the calibration images, leave up to N "
-        "more of the most sensitive nodes in float (0: never; default %(default)s)",
-    )
-    p.add_argument("--gate-images", type=int, default=GATE_IMAGES, help="held-out images scored (default %(default)s)")
-    p.add_argument("--force", action="store_true", help="write the INT8 file even when it fails the agreement gate")
-
-
-def export_int8_from_args(args: Any) -> Path:
-    """``capserve export onnx --int8``: export, print the gate's figures, refuse (``Int8GateError``) below the bound."""
-    if not args.calibration:
-        raise ExportError("--int8 needs --calibration DATA: a folder or CSV of images like the ones you will serve")
-    if args.fp16 or args.explain:
-        raise ExportError("--int8 writes a plain INT8 graph: drop --fp16 / --explain (export those separately)")
-    if args.iterations and len(args.iterations) > 1:
-        raise ExportError("--int8 exports one routing iteration count at a time: give one -T")
-    path, report = export_int8(
-        args.checkpoint,
-        args.output,
-        args.calibration,
-        iterations=args.iterations[0] if args.iterations else None,
-        images=args.calibration_images,
-        gate_images=args.gate_images,
-        min_agreement=args.min_agreement,
-        force=args.force,
-        target=args.int8_target,
-        method=args.calibration_method,
-        opset=args.opset,
-        keep_float=args.keep_float,
-        max_float_nodes=args.max_float_nodes,
-    )
-    print(report)
-    if not report.passed:
-        print(f"warning: written with --force below the bound {args.min_agreement:g}")
-    return path

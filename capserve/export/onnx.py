@@ -63,8 +63,8 @@ class UnrolledExplain(Unrolled):
     """Logits and the part-whole parse (see ``RoutingTrace.part_whole``) for a fixed T."""
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
-        poses, coefficients = self.model._route(images, self.iterations, keep_coefficients=True)
-        logits = self.model._logits(poses[-1])  # (B, C), whatever the routing's read-out
+        poses, coefficients = self.model.route(images, self.iterations, keep_coefficients=True)
+        logits = self.model.logits_from(poses[-1])  # (B, C), whatever the routing's read-out
         return logits, part_whole(poses, coefficients)  # (B, C), (B, C, H, W, I)
 
 
@@ -124,6 +124,22 @@ def set_metadata(proto: Any, props: dict[str, str]) -> None:
         entry.key, entry.value = key, value
 
 
+STACK_TRACE_KEY = "pkg.torch.onnx.stack_trace"
+
+
+def drop_stack_traces(proto: Any) -> None:
+    """Remove the exporter's per-node stack traces: they name the source files of the machine that exported the
+    graph, which a shipped model must not carry (the module names in ``namespace`` and the class hierarchy stay)."""
+    nodes = [*proto.graph.node, *(n for f in proto.functions for n in f.node)]
+    for node in nodes:
+        kept = [(p.key, p.value) for p in node.metadata_props if p.key != STACK_TRACE_KEY]
+        if len(kept) != len(node.metadata_props):
+            del node.metadata_props[:]
+            for key, value in kept:
+                entry = node.metadata_props.add()
+                entry.key, entry.value = key, value
+
+
 def read_metadata(proto: Any) -> dict[str, str]:
     """``metadata_props`` of an ``onnx.ModelProto`` as a dict."""
     return {p.key: p.value for p in proto.metadata_props}
@@ -154,7 +170,7 @@ def to_onnx_proto(model: CapsNet, iterations: int, opset: int = DEFAULT_OPSET, e
     """Trace ``model`` at fixed ``iterations`` into an in-memory ``onnx.ModelProto`` (weights inside, no metadata)."""
     if opset < MIN_OPSET:
         raise ExportError(f"opset {opset} is not supported: the exporter writes opset >= {MIN_OPSET}; use --opset 18+")
-    T = model._iterations(iterations)
+    T = model.resolve_iterations(iterations)
     c = model.config
     if explain and not c.has_routing:
         raise ExportError(f"{c.name} is a CNN without routing: there is no part-whole parse to export; drop --explain")
@@ -205,7 +221,7 @@ def export_onnx(
     """
     import onnx
 
-    T = model._iterations(iterations)
+    T = model.resolve_iterations(iterations)
     device = next(model.parameters()).device
     training = model.training
     try:
@@ -221,6 +237,7 @@ def export_onnx(
         model.config, T, capserve_version=capserve.__version__, weights_sha256=weights_digest or weights_sha256(model)
     )
     outputs = [o.name for o in proto.graph.output]
+    drop_stack_traces(proto)
     set_metadata(proto, metadata_props(metadata, precision, outputs, model.config))
     proto.producer_name = "capserve"
     proto.producer_version = capserve.__version__
@@ -259,9 +276,9 @@ def export_checkpoint(
 ) -> list[Path]:
     """Export a model directory once per T in ``iterations`` (default: the config's); returns the files written."""
     model, digest = load_checkpoint(checkpoint)
-    Ts = list(iterations) if iterations else [model._iterations(None)]  # the config's T (None: a CNN)
+    Ts = list(iterations) if iterations else [model.resolve_iterations(None)]  # the config's T (None: a CNN)
     for T in Ts:
-        model._iterations(T)  # validate all before the (slow) exports start
+        model.resolve_iterations(T)  # validate all before the (slow) exports start
     return [
         export_onnx(model, path, T, weights_digest=digest, **options)
         for T, path in zip(Ts, output_paths(output, Ts), strict=True)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from capserve.errors import RuntimeLoadError
+from capserve.errors import ExportError, RuntimeLoadError
 from capserve.hashing import sha256_bytes
 from capserve.runtime.metadata import METADATA_KEY, PRECISION_KEY, ModelMetadata
 from capserve.runtime.tensorrt_backend import TENSORRT_MISSING, EngineSidecar, gpu_name, sidecar_path
 
-from .onnx import ExportError
+from .onnx import read_metadata, set_metadata
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def read_onnx(path: str | Path, fp16: bool = False) -> OnnxSource:
         onnx.checker.check_model(proto)
     except Exception as e:  # protobuf DecodeError, onnx ValidationError
         raise ExportError(f"{path} is not a valid ONNX model ({type(e).__name__}: {e}); is it truncated?") from e
-    props = {p.key: p.value for p in proto.metadata_props}
+    props = read_metadata(proto)
     if METADATA_KEY not in props:
         raise ExportError(f"{path} has no {METADATA_KEY!r} metadata: export it with `capserve export onnx`")
     try:
@@ -72,9 +72,7 @@ def read_onnx(path: str | Path, fp16: bool = False) -> OnnxSource:
         from capserve.export.fp16 import convert_to_fp16
 
         proto = convert_to_fp16(proto)
-        for p in proto.metadata_props:
-            if p.key == PRECISION_KEY:
-                p.value = "fp16"
+        set_metadata(proto, {**read_metadata(proto), PRECISION_KEY: "fp16"})
         data, precision = proto.SerializeToString(), "fp16"
     (inp,) = proto.graph.input
     dims = tuple(d.dim_value for d in inp.type.tensor_type.shape.dim[1:])

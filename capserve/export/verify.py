@@ -1,20 +1,11 @@
-"""``capserve verify ARTIFACT --against CHECKPOINT``: the same inputs through eager PyTorch and an artifact.
-
-``capserve verify MODEL_DIR --precision bf16`` compares the model folder under bf16 autocast with itself in fp32:
-the check the service runs at start-up before serving bf16 (``capserve.runtime.precision``: 64 seeded images,
-decisions agree on at least 0.9 of them).
-
-Per batch size it prints the max abs and relative difference of the logits (relative: max |Δ| / max |eager|),
-the max abs difference of the probabilities (softmax, or sigmoid for multi-label models) and the top-1
-agreement. It exits 1 when a tolerance is exceeded: logits need max |Δ| <= atol + rtol · max |eager| and the
-top-1 agreement at least ``--min-agreement``. Defaults follow the artifact's precision (FP32 / FP16 graph, bf16).
-Agreement means the same decision per image: top-1 for single-label models, the whole set of labels past their
-thresholds for multi-label ones.
+"""Parity of an exported artifact with eager PyTorch: the same images through both, per batch size (``compare``),
+within tolerances that follow the artifact's precision (``DEFAULTS``); and the INT8 gate repeated on a file
+(``verify_int8``). ``capserve verify`` (``capserve.export.cli``) prints them; docs/export.md explains the figures.
 """
 
 from __future__ import annotations
 
-import argparse
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,55 +14,22 @@ import numpy as np
 from capserve.data.images import IMAGE_SUFFIXES, ImageError, load_image
 from capserve.data.preprocess import normalize_images
 from capserve.errors import UsageError
-from capserve.runtime import BACKENDS, Runtime, infer_backend, load_runtime
+from capserve.runtime.base import Runtime
 from capserve.runtime.metadata import ModelMetadata
 from capserve.runtime.outputs import probabilities
-from capserve.runtime.precision import (
-    MIN_AGREEMENT,
-    PRECISIONS,
-    SAMPLE_SIZE,
-    agreement,
-    decisions,  # noqa: F401  (importable from here, as before it moved)
-    resolve_precision,
-    sample_images,
-)
+from capserve.runtime.precision import BF16_MIN_AGREEMENT, agreement
+
+from .calibration import GATE_IMAGES, read_calibration
+from .gate import score
+from .int8 import fp32_graph, read_summary, runtime_for
+from .onnx import load_checkpoint
+
+log = logging.getLogger(__name__)
 
 # precision → (atol, rtol, min agreement); FP16's matches capserve.export.fp16's documented tolerance; bf16's
-# agreement bound is the service's start-up check, its logit tolerance is loose (8-bit mantissa: measured 0.07-0.18
-# on the shipped models) and catches only breakage such as overflow
-DEFAULTS = {"fp32": (1e-4, 1e-4, 1.0), "fp16": (2e-2, 1e-1, 0.95), "bf16": (0.5, 0.1, MIN_AGREEMENT)}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("artifact", help=".onnx file, TensorRT engine (.plan) or model directory")
-    parser.add_argument(
-        "--against",
-        help="the checkpoint (model directory) it was exported from (default: the "
-        "artifact, when it is a model directory)",
-    )
-    parser.add_argument("--images", help="folder of images to use (default: seeded random images)")
-    parser.add_argument(
-        "--batch-sizes", help=f"comma-separated (default 1,7,64; {SAMPLE_SIZE} at bf16: the service's start-up check)"
-    )
-    parser.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="fp32",
-        help="torch backend (a model directory): fp32, bf16 autocast, or auto (bf16 where the CPU "
-        "has native bf16) (default %(default)s)",
-    )
-    parser.add_argument("--backend", choices=list(BACKENDS), help="default: from the artifact's file name")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
-    parser.add_argument("--atol", type=float, help="logit tolerance (default 1e-4 FP32, 2e-2 FP16)")
-    parser.add_argument("--rtol", type=float, help="logit tolerance per unit of max |logit| (1e-4 FP32, 0.1 FP16)")
-    parser.add_argument("--min-agreement", type=float, help="least top-1 agreement (default 1.0 FP32, 0.95 FP16)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random images (default %(default)s)")
-    parser.add_argument(
-        "--int8",
-        action="store_true",
-        help="an INT8 export: repeat its gate (agreement and accuracy on held-out images of --data)",
-    )
-    parser.add_argument("--data", help="--int8: the images to hold out (default: the calibration data it records)")
+# agreement bound is the service's start-up check, and its logit tolerance, loose for an 8-bit mantissa, catches
+# only breakage such as overflow
+DEFAULTS = {"fp32": (1e-4, 1e-4, 1.0), "fp16": (2e-2, 1e-1, 0.95), "bf16": (0.5, 0.1, BF16_MIN_AGREEMENT)}
 
 
 @dataclass(frozen=True)
@@ -87,21 +45,9 @@ class Comparison:
         return self.max_abs <= atol + rtol * self.scale and self.agreement >= min_agreement
 
 
-def parse_batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError as e:
-        raise UsageError(f"--batch-sizes must be comma-separated integers like 1,7,64, got {text!r}") from e
-    if not sizes or min(sizes) < 1:
-        raise UsageError(f"--batch-sizes needs positive integers, got {text!r}")
-    return sizes
-
-
 def load_images(folder: str | Path, metadata: ModelMetadata, count: int) -> np.ndarray:
     """``count`` normalised images (count, C, H, W) from a folder, cycled if few, preprocessed exactly as the service
     and training do (``capserve.data.images``: decode, orient, convert, centre square, resize, normalise)."""
-    pass
-
     folder = Path(folder)
     if not folder.is_dir():
         raise UsageError(f"--images {folder} is not a folder")
@@ -116,10 +62,6 @@ def load_images(folder: str | Path, metadata: ModelMetadata, count: int) -> np.n
             raise UsageError(f"cannot read image {path}: {e}") from e
     pixels = np.stack([arrays[i % len(arrays)] for i in range(count)])  # (count, C, H, W)
     return normalize_images(pixels, metadata)
-
-
-def random_images(metadata: ModelMetadata, count: int, seed: int) -> np.ndarray:
-    return sample_images(metadata, count, seed)  # the images of the service's bf16 start-up check at seed 0
 
 
 def compare(reference: Runtime, artifact: Runtime, images: np.ndarray, batch_sizes: list[int]) -> list[Comparison]:
@@ -145,66 +87,33 @@ def compare(reference: Runtime, artifact: Runtime, images: np.ndarray, batch_siz
     return rows
 
 
-def run(args: argparse.Namespace) -> int:
-    from capserve.runtime.torch_backend import TorchRuntime
+def verify_int8(
+    artifact: str | Path,
+    checkpoint: str | Path,
+    data: str | Path | None = None,
+    min_agreement: float | None = None,
+    gate_images: int = GATE_IMAGES,
+) -> int:
+    """``capserve verify --int8``: the export's gate again, FP32 (from ``checkpoint``, at the file's T) against
+    the INT8 file, on the held-out images of ``data`` (default: the calibration data the file records). Prints the
+    report; returns 0 when it passes, 1 when not."""
+    from capserve.runtime.onnx_backend import OnnxRuntime
 
-    against = args.against or (args.artifact if Path(args.artifact).is_dir() else None)
-    if against is None:
-        raise UsageError(f"give --against: the model directory {args.artifact} was exported from")
-    if not Path(against).is_dir():
-        raise UsageError(f"--against {against} is not a model directory (model.safetensors + config.json)")
-    if args.int8:
-        from capserve.export.int8 import verify_int8
-
-        return verify_int8(args.artifact, against, args.data, args.min_agreement)
-    options = {}
-    if args.precision != "fp32":
-        backend = args.backend or infer_backend(args.artifact)
-        options["precision"], reason = resolve_precision(args.precision, backend, args.device)
-        print(f"precision {options['precision']} ({reason})")
-    sizes = parse_batch_sizes(
-        args.batch_sizes or (str(SAMPLE_SIZE) if options.get("precision") == "bf16" else "1,7,64")
-    )
-    artifact = load_runtime(args.artifact, backend=args.backend, device=args.device, **options)
-    meta = artifact.metadata
-    reference = TorchRuntime(against, device="cpu", iterations=meta.iterations)
-    ref_meta = reference.metadata
-    for field in ("name", "labels", "task", "in_channels", "image_size", "mean", "std"):
-        if getattr(meta, field) != getattr(ref_meta, field):
-            raise UsageError(
-                f"{args.artifact} is a different model than {against}: {field} "
-                f"{getattr(meta, field)!r} vs {getattr(ref_meta, field)!r}"
-            )
-    weights_note = ""
-    if meta.weights_sha256 != ref_meta.weights_sha256:  # another file; maybe the same weights saved again
-        a, b = meta.weights_sha256[:12], ref_meta.weights_sha256[:12]
-        weights_note = f"; note: weights_sha256 differs ({a}… vs {b}…): exported from another weights file"
-    precision = artifact.precision
-    atol, rtol, min_agreement = DEFAULTS.get(precision, DEFAULTS["fp32"])
-    atol = atol if args.atol is None else args.atol
-    rtol = rtol if args.rtol is None else args.rtol
-    min_agreement = min_agreement if args.min_agreement is None else args.min_agreement
-
-    count = max(sizes)
-    if args.images:
-        images, source = load_images(args.images, meta, count), f"images from {args.images}"
-    else:
-        images, source = random_images(meta, count, args.seed), f"random images (seed {args.seed})"
-    routing = "no routing (CNN)" if meta.iterations is None else f"T={meta.iterations}"
+    summary = read_summary(artifact)
+    int8 = OnnxRuntime(artifact)
+    model, digest = load_checkpoint(checkpoint)
+    if int8.metadata.weights_sha256 != digest:
+        log.warning("%s was exported from another weights file than %s", artifact, checkpoint)
+    data = data or summary.calibration
+    held = read_calibration(data, model.config, summary.calibration_images, gate_images)
+    # the reference, named so in the log: verifying quantizes nothing
+    fp32 = runtime_for(fp32_graph(checkpoint, model, digest, int8.metadata.iterations, use="as the reference"))
+    bound = summary.bound if min_agreement is None else min_agreement
+    report = score(fp32, int8, held.held_out, held.targets, held.split, bound)
     print(
-        f"{args.artifact}: {meta.name}, {routing}, {precision}, {artifact.backend} on "
-        f"{', '.join(artifact.providers)}; eager fp32 reference {against}; {source}{weights_note}"
+        f"{artifact}: {int8.metadata.name}, int8 ({summary.target}, {summary.method} on "
+        f"{summary.calibration_images} images of {summary.calibration}); fp32 reference {checkpoint}; data {data}"
     )
-    agree = "labels agree" if meta.task == "multi_label" else "top-1 agree"  # per image, all decisions equal
-    print(f"tolerance: max |Δlogit| <= {atol:g} + {rtol:g}·max|logit|, {agree} >= {min_agreement:g}")
-    print(f"{'batch':>5}  {'max|Δlogit|':>11}  {'rel':>9}  {'max|Δprob|':>10}  {agree:>12}  result")
-    failed = False
-    for row in compare(reference, artifact, images, sizes):
-        ok = row.within(atol, rtol, min_agreement)
-        failed |= not ok
-        print(
-            f"{row.batch:>5}  {row.max_abs:>11.3e}  {row.max_rel:>9.2e}  {row.max_abs_prob:>10.3e}  "
-            f"{row.agreement:>12.4f}  {'ok' if ok else 'FAIL'}"
-        )
-    print("FAILED: tolerances exceeded" if failed else "passed")
-    return 1 if failed else 0
+    print(report)
+    print("passed" if report.passed else "FAILED: agreement below the bound")
+    return 0 if report.passed else 1

@@ -8,29 +8,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from capserve.configs import CapsuleLayerConfig, ModelConfig, update_is_read
+from capserve.configs import CapsuleLayerConfig, ModelConfig
 from capserve.model.backbones import BACKBONES
 from capserve.model.checkpoint import save_model
-from capserve.routing.attention import CapsuleLayer, PrimaryCapsules
-from capserve.routing.dynamic import DynamicCapsuleLayer, SquashedPrimaryCapsules
-from capserve.routing.em import EMCapsuleLayer, EMPrimaryCapsules
-
-# per routing algorithm: the primary capsule layer and the routed capsule layer class. A routed layer is built as
-# ``Layer(spec, in_types, in_size, pose, pose_dim, layer_norm, activations)`` and runs all iterations of itself with
-# ``layer.route(children, iterations, keep_coefficients) -> (parents, coefficients (B, P, N, J) or None)``; only
-# attention layers also take one step at a time (``layer(children, parents)``), which the concurrent schedule needs.
-PRIMARY_CAPSULES: dict[str, type[nn.Module]] = {
-    "attention": PrimaryCapsules,
-    "dynamic": SquashedPrimaryCapsules,
-    "em": EMPrimaryCapsules,
-}
-
-
-CAPSULE_LAYERS: dict[str, type[nn.Module]] = {
-    "attention": CapsuleLayer,
-    "dynamic": DynamicCapsuleLayer,
-    "em": EMCapsuleLayer,
-}
+from capserve.routing.registry import ROUTINGS, update_is_read
 
 
 @dataclass(frozen=True)
@@ -74,7 +55,7 @@ def part_whole(poses: tuple[Tensor, ...] | list[Tensor], coefficients: tuple[Ten
 
 
 class CapsNet(nn.Module):
-    """Capsule network with inverted dot-product attention routing.
+    """Capsule network: inverted dot-product attention routing, or the config's comparison routing (``ROUTINGS``).
 
     Example:
         >>> model = capserve.create_model("cifar10-resnet")
@@ -87,8 +68,8 @@ class CapsNet(nn.Module):
         self.config = config
         c = config
         self.backbone = BACKBONES[c.backbone](c)
-        primary, layer = PRIMARY_CAPSULES[c.routing_algorithm], CAPSULE_LAYERS[c.routing_algorithm]
-        self.primary = primary(
+        routing = ROUTINGS[c.routing_algorithm]
+        self.primary = routing.primary(
             c.backbone_channels,
             c.primary_types,
             c.pose_dim,
@@ -102,7 +83,7 @@ class CapsNet(nn.Module):
         in_types = (c.primary_types, *(s.types for s in specs[:-1]))
         shared = {"shared": True} if c.class_weights == "shared" else {}  # the class layer's (attention's option)
         self.capsules = nn.ModuleList(
-            layer(
+            routing.layer(
                 spec,
                 in_types[i],
                 sizes[i],
@@ -116,33 +97,42 @@ class CapsNet(nn.Module):
         )
         # attention: one logit head shared by all class capsules; other routings read their class capsules out
         # themselves (length, activation), as ``class_logits`` of their last layer
-        self.classifier = nn.Linear(c.pose_dim, 1) if c.routing_algorithm == "attention" else None
+        self.classifier = nn.Linear(c.pose_dim, 1) if routing.linear_readout else None
 
     def forward(self, x: Tensor, iterations: int | None = None) -> Tensor:
         """Logits (B, C) for images (B, C_in, H, W) after ``iterations`` routing iterations (default: config's)."""
-        poses, _ = self._route(x, self._iterations(iterations), keep_coefficients=False)
-        return self._logits(poses[-1])  # (B, C)
+        poses, _ = self.route(x, self.resolve_iterations(iterations), keep_coefficients=False)
+        return self.logits_from(poses[-1])  # (B, C)
 
     @torch.no_grad()
     def trace(self, x: Tensor, iterations: int | None = None) -> RoutingTrace:
         """Logits together with every layer's poses and routing coefficients (see ``RoutingTrace``)."""
-        T = self._iterations(iterations)
-        poses, coefficients = self._route(x, T, keep_coefficients=True)
-        return RoutingTrace(self._logits(poses[-1]), tuple(poses), tuple(coefficients), T)
+        T = self.resolve_iterations(iterations)
+        poses, coefficients = self.route(x, T, keep_coefficients=True)
+        return RoutingTrace(self.logits_from(poses[-1]), tuple(poses), tuple(coefficients), T)
 
-    def _logits(self, classes: Tensor) -> Tensor:
-        """(B, C, D) class capsules → (B, C) logits."""
+    def logits_from(self, classes: Tensor) -> Tensor:
+        """(B, C, D) class capsules (the last entry of ``route``'s poses) → (B, C) logits, whatever the read-out."""
         if self.classifier is None:
             return self.capsules[-1].class_logits(classes)
         return self.classifier(classes).squeeze(-1)
 
-    def _iterations(self, iterations: int | None) -> int:
+    def resolve_iterations(self, iterations: int | None) -> int:
+        """The routing iterations a call runs: ``iterations``, or the config's when None."""
         T = self.config.iterations if iterations is None else iterations
         if not isinstance(T, int) or T < 1:
             raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
         return T
 
-    def _route(self, x: Tensor, T: int, keep_coefficients: bool) -> tuple[list[Tensor], list[Tensor]]:
+    def route(self, x: Tensor, T: int, keep_coefficients: bool) -> tuple[list[Tensor], list[Tensor]]:
+        """Every layer's poses for images (B, C_in, H, W) after T iterations of the config's schedule, and with
+        ``keep_coefficients`` the routing coefficients of each routed layer (see ``RoutingTrace``).
+
+        Returns:
+            poses: primary first, then one per routed layer, the class capsules (B, C, D) last.
+            coefficients: with ``keep_coefficients``, one (B, P, N, J) per routed layer (uniform 1/J where its last
+                update that reaches the logits is the first iteration); without it, None per layer.
+        """
         if x.ndim != 4 or x.shape[1] != self.config.in_channels:
             raise ValueError(f"expected images (B, {self.config.in_channels}, H, W), got {tuple(x.shape)}")
         poses = [self.primary(self.backbone(x))]  # (B, H, W, I, D)

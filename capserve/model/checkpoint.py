@@ -35,8 +35,8 @@ def save_model(model: nn.Module, directory: str | Path, extra: dict[str, Any] | 
 
 def save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """``safetensors``' ``save_file`` with the permissions of any other new file (0644 under the usual umask):
-    it writes mode 0600, so a model folder copied to a server or a shared disk had weights only its author could
-    read."""
+    it writes mode 0600, which would leave a model folder copied to a server or a shared disk with weights only its
+    author can read."""
     save_file(tensors, str(path), metadata=metadata)
     mask = os.umask(0)
     os.umask(mask)

@@ -81,13 +81,13 @@ class CNN(nn.Module):
 
     def forward(self, x: Tensor, iterations: int | None = None) -> Tensor:
         """Logits (B, C) for images (B, C_in, H, W); ``iterations`` must be None (a CNN has no routing)."""
-        self._iterations(iterations)
+        self.resolve_iterations(iterations)
         if x.ndim != 4 or x.shape[1] != self.config.in_channels:
             raise ValueError(f"expected images (B, {self.config.in_channels}, H, W), got {tuple(x.shape)}")
         features = self.convs(self.backbone(x))  # (B, channels, h, w)
         return self.classifier(self.head(features))  # (B, C)
 
-    def _iterations(self, iterations: int | None) -> None:
+    def resolve_iterations(self, iterations: int | None) -> None:
         """None: what a CNN runs with. A number is a mistake the caller should hear about."""
         if iterations is not None:
             c = self.config

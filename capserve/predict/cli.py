@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
-from tqdm import tqdm
 
+from capserve.data.progress import progress_bar
 from capserve.errors import UsageError
 from capserve.predict.predictor import Predictor, pixels_or_error
 from capserve.predict.sources import expand
-from capserve.serving.settings import BACKENDS
+from capserve.runtime import BACKENDS
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="multi-label models: one threshold for every label (default: the model's calibrated ones)",
     )
-    p.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
+    p.add_argument("--backend", choices=list(BACKENDS), default="onnxruntime")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"), help="as CAPSERVE_PRECISION")
     p.add_argument("--iterations", type=int, help="torch backend: routing iterations (default: the model's)")
@@ -189,9 +189,7 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         stream = stack.enter_context(open(out, "a", newline="")) if out is not None else sys.stdout
         writer = Writer(stream, fmt, header=out is None or out.stat().st_size == 0)
-        bar = stack.enter_context(
-            tqdm(unit="img", desc="predict", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
-        )
+        bar = stack.enter_context(progress_bar(None, "predict"))
         stack.callback(stream.flush)
         for i, (path, record) in enumerate(answer_stream(predictor, paths, args.batch_size, args.workers)):
             writer.write(path, record)

@@ -8,22 +8,27 @@ capsule layer; for a conv capsule layer the children of a position are its k×k 
     routing     r_ij = softmax_j(a_ij)       over parents: each child splits itself among the parents
     update      p_j  = LayerNorm(Σ_i r_ij v_ij)
 
-Parents start at zero, so the first step has a_ij = 0 and routes uniformly, r_ij = 1/J. That step needs no
-votes at all: Σ_i v_ij / J is one matrix product of the children with the stacked weights (``uniform_step``),
-or, for a conv capsule layer, one ``conv2d`` over the child grid (``uniform_conv_step``), which also skips
-gathering the k×k windows.
+Parents start at zero, so the first step has a_ij = 0 and routes uniformly, r_ij = 1/J.
+
+The module reads top to bottom: first these equations as written (``votes``, ``agreement``, ``reference_step``,
+``reference_uniform_step``), every vote held at once; then the fast paths, which give the reference's numbers
+(tests/routing) without holding every vote; then the capsule layers that call them.
+
+The first step needs no votes at all: Σ_i v_ij / J is one matrix product of the children with the stacked weights
+(``uniform_step``), or, for a conv capsule layer, one ``conv2d`` over the child grid (``uniform_conv_step``), which
+also skips gathering the k×k windows.
 
 Later steps need every vote: the agreement is a three-way contraction (children, weights, parents), and any
-two-operand order builds a tensor of D values per (child, parent, position), far too big to hold whole (7 GB
-for the first conv capsule layer of cifar10-resnet at batch 250). ``routing_step`` therefore works through the
-(batch × position) rows a block at a time, in two buffers reused by every block and small enough to stay in cache
-(``VOTE_BLOCK_BYTES`` each). A block's votes come from one product per child of its r pose rows (r, X) with its
-(X, Y·J) weights, laid out (children, rows, D_out, J) with the parents innermost; in that layout the agreement is
-an elementwise product with the parents and a sum over D_out, the softmax runs over the innermost dim, and the
-weighted sum scales the votes in place and sums over the children, the outermost dim. Each of those passes reads
-the block where it lies, with unit stride over J, while it is still in cache. Rows are independent (the softmax is
-over parents, per child and row), so the blocks give the same numbers as one big block. Memory for a step is the
-two buffers plus its inputs and outputs, whatever the batch and T.
+two-operand order builds a tensor of D values per (child, parent, position), far too big to hold whole for a conv
+capsule layer at serving batch sizes. ``routing_step`` therefore works through the (batch × position) rows a block
+at a time (``vote_blocks``), in two buffers reused by every block and small enough to stay in cache. A block's votes
+come from one product per child of its r pose rows (r, X) with its (X, Y·J) weights, laid out (children, rows,
+D_out, J) with the parents innermost; in that layout the agreement is an elementwise product with the parents and a
+sum over D_out, the softmax runs over the innermost dim, and the weighted sum scales the votes in place and sums over
+the children, the outermost dim. Each of those passes reads the block where it lies, with unit stride over J, while
+it is still in cache. Rows are independent (the softmax is over parents, per child and row), so the blocks give the
+same numbers as one big block. Memory for a step is the two buffers plus its inputs and outputs, whatever the batch
+and T.
 
 In plain CPU inference, the big steps with many parents go one better (``fused_block``): ``torch.compile`` turns
 each block's agreement, softmax and weighted sum into loop nests that recompute the few products each needs instead
@@ -43,10 +48,86 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from capserve.configs import CapsuleLayerConfig
-from capserve.routing.blocks import block_rows, pose_rows, row_blocks, softmax_, vote_weight
+from capserve.routing.blocks import pose_rows, reuses_buffers, softmax_, vote_blocks, vote_weight
 from capserve.routing.fused import fusable, fused_rows
 
 Normalize = Callable[[Tensor], Tensor]
+
+
+# ---------------------------------------------------------------------------- the equations, every vote held at once
+
+
+def votes(children: Tensor, weight: Tensor) -> Tensor:
+    """v_ij = u_i · W_ij: every child's vote for every parent.
+
+    Args:
+        children: (..., N, D) child poses, each viewed as r rows of X values.
+        weight: (N, J, X, Y) transforms, each mapping one pose row of X values to Y values.
+    Returns:
+        (..., N, J, D_out) votes, D_out = r·Y.
+    Example:
+        >>> votes(torch.randn(2, 5, 16), torch.randn(5, 3, 4, 4)).shape  # 4×4 matrix poses
+        torch.Size([2, 5, 3, 16])
+    """
+    *batch, N, D = children.shape
+    X = weight.shape[2]
+    u = children.reshape(*batch, N, D // X, X)  # (..., N, r, X)
+    # children first: each child's r pose rows against its own J transforms, contracted over X
+    v = torch.einsum("...nrx,njxy->...njry", u, weight)  # (..., N, J, r, Y)
+    return v.flatten(-2)  # (..., N, J, D_out)
+
+
+def agreement(votes: Tensor, parents: Tensor) -> Tensor:
+    """a_ij = <p_j, v_ij> / √D_out: how far each child's vote agrees with each parent's current pose.
+
+    Args:
+        votes: (..., N, J, D_out); parents: (..., J, D_out).
+    Returns:
+        (..., N, J) agreements.
+    """
+    # votes first: each child's J votes against the J parents, contracted over the pose
+    return torch.einsum("...njd,...jd->...nj", votes, parents) / math.sqrt(votes.shape[-1])  # (..., N, J)
+
+
+def reference_step(
+    children: Tensor, weight: Tensor, parents: Tensor, normalize: Normalize, keep_coefficients: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """One routing iteration as the paper writes it: the four equations, with every vote in one tensor.
+
+    The fast paths (``routing_step``, ``fused_block``, ``uniform_step``, ``uniform_conv_step``) give these numbers;
+    this one is for reading and for testing them, not for serving (its votes grow with the batch).
+
+    Args:
+        children: (..., N, D) child poses, e.g. (B, P, N, D).
+        weight: (N, J, X, Y) transforms.
+        parents: (..., J, D_out) parent poses from the previous iteration.
+        normalize: the pose normalisation (LayerNorm over D_out, or identity for the ablation).
+        keep_coefficients: also return the routing coefficients.
+    Returns:
+        parents: (..., J, D_out) updated parent poses.
+        coefficients: (..., N, J) routing probabilities r_ij, summing to 1 over J, or None.
+    """
+    v = votes(children, weight)  # (..., N, J, D_out)
+    r = torch.softmax(agreement(v, parents), dim=-1)  # (..., N, J): over parents
+    # coefficients first: Σ_i r_ij v_ij, contracted over the children
+    s = torch.einsum("...nj,...njd->...jd", r, v)  # (..., J, D_out)
+    return normalize(s), r if keep_coefficients else None
+
+
+def reference_uniform_step(children: Tensor, weight: Tensor, normalize: Normalize) -> Tensor:
+    """The first iteration as the paper writes it: parents start at zero, so a_ij = 0, r_ij = 1/J and
+    p_j = normalize(Σ_i v_ij / J).
+
+    Args:
+        children: (..., N, D); weight: (N, J, X, Y).
+    Returns:
+        (..., J, D_out) parent poses.
+    """
+    v = votes(children, weight)  # (..., N, J, D_out)
+    return normalize(v.sum(dim=-3) / weight.shape[1])  # (..., J, D_out)
+
+
+# ------------------------------------------------------------------ the fast paths: the same numbers, bounded memory
 
 
 def uniform_step(children: Tensor, weight: Tensor, normalize: Normalize) -> Tensor:
@@ -117,27 +198,17 @@ def routing_step(
     w = vote_weight(weight)  # (N, X, Y·J)
     # a_ij = <p_j, v_ij> / √D, with the scale folded into the (small) parents, laid out like a vote: (D_out, J)
     q = (parents.reshape(rows, J, D_out) * D_out**-0.5).transpose(1, 2).contiguous()  # (BP, D_out, J)
-    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (children, weight, parents))
     sums: list[Tensor] = []
-    if torch.compiler.is_exporting():
-        # an exported graph takes any batch: one block of all rows, no Python loop over a symbolic size
-        blocks, buffers = [(0, rows)], None
-    else:
-        # autograd keeps every block's votes for the backward pass, and autocast does not cast ``out=`` products,
-        # so only plain inference reuses two buffers (votes, and their products with the parents) and works in place
-        inplace = not recording and not torch.is_autocast_enabled(children.device.type)
-        row_bytes = N * J * D_out * children.element_size()
-        done = 0
-        if inplace and not keep_coefficients and fusable(children, weight, rows * N * J * D_out):
-            coefficient_bytes = N * J * children.element_size()  # per row
-            # fused_block's layouts are views of the eager step's: (BP, N, r, X), (N, X, Y, J), (BP, r, Y, J)
-            sums, done = fused_rows(
-                u.view(rows, N, r, -1), w.view(N, -1, Y, J), q.view(rows, r, Y, J), coefficient_bytes
-            )
-        block = block_rows(row_bytes)
-        blocks = row_blocks(rows, block, start=done)
-        size = N * min(block, rows - done) * J * D_out
-        buffers = (children.new_empty(size), children.new_empty(size)) if inplace and blocks else None
+    # plain inference reuses two buffers (votes, and their products with the parents) and works in place
+    inplace = reuses_buffers(children, weight, parents)
+    done = 0
+    if inplace and not keep_coefficients and fusable(children, weight, rows * N * J * D_out):
+        coefficient_bytes = N * J * children.element_size()  # per row
+        # fused_block's layouts are views of the eager step's: (BP, N, r, X), (N, X, Y, J), (BP, r, Y, J)
+        sums, done = fused_rows(u.view(rows, N, r, -1), w.view(N, -1, Y, J), q.view(rows, r, Y, J), coefficient_bytes)
+    blocks = vote_blocks(rows, N * J * D_out * children.element_size(), start=done)
+    size = N * (blocks[0][1] - blocks[0][0]) * J * D_out if blocks else 0
+    buffers = (children.new_empty(size), children.new_empty(size)) if inplace and blocks else None
     coefficients = []
     for start, stop in blocks:
         n, size = stop - start, N * (stop - start) * J * D_out
@@ -146,8 +217,8 @@ def routing_step(
         v = torch.bmm(u_block, w, out=out).view(N, n, D_out, J)  # (N, n, D_out, J): one product per child
         q_block = q[start:stop].to(v.dtype)  # (n, D_out, J)
         products = torch.mul(v, q_block) if buffers is None else torch.mul(v, q_block, out=buffers[1][:size].view_as(v))
-        agreement = products.sum(2)  # (N, n, J)
-        c = softmax_(agreement) if buffers is not None and J < 16 else torch.softmax(agreement, dim=2).to(v.dtype)
+        a = products.sum(2)  # (N, n, J): a_ij
+        c = softmax_(a) if buffers is not None and J < 16 else torch.softmax(a, dim=2).to(v.dtype)
         # Σ_i r_ij v_ij: scale each vote by its coefficient, then sum over the children (the outermost dim)
         weighted = v * c[:, :, None] if buffers is None else v.mul_(c[:, :, None])  # (N, n, D_out, J)
         sums.append(weighted.sum(0))  # (n, D_out, J)
@@ -183,8 +254,8 @@ class PrimaryCapsules(nn.Module):
 
     def forward(self, features: Tensor) -> Tensor:
         if self.conv.kernel_size == (1, 1):
-            # a channels-last 1×1 conv writes (B, H, W, I·D) in memory, so the permute below is a free view
-            # (measured faster on CPU for 1×1; slower for the 3×3 stride-2 MultiMNIST conv, which stays as is)
+            # a channels-last 1×1 conv writes (B, H, W, I·D) in memory, so the permute below is a free view; larger
+            # kernels keep the default layout, in which they run faster on CPU (bench_model.py)
             features = features.contiguous(memory_format=torch.channels_last)
         u = self.conv(features)  # (B, I·D, H, W)
         B, _, H, W = u.shape

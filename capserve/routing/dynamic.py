@@ -11,7 +11,7 @@ position (conv capsule layers: the k×k window over all child types, weights sha
 
 for T rounds, all of one layer's before the next layer starts (sequential). The votes do not change between
 rounds, so ``dynamic_routing`` computes each block of (batch × position) rows' votes once and runs all T rounds
-on the block while it is in cache, in blocks of ``routing_step``'s size (``vote_blocks``). Memory is one block of
+on the block while it is in cache, in blocks planned like ``routing_step``'s (``vote_blocks``). Memory is one block of
 votes, plus, when training, every block's votes once (the attention step keeps one copy per iteration) and the
 D-times-smaller couplings of each round.
 """
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from capserve.configs import CapsuleLayerConfig
 from capserve.routing.attention import CapsuleLayer, PrimaryCapsules, uniform_conv_step, uniform_step
-from capserve.routing.blocks import vote_blocks
+from capserve.routing.blocks import pose_rows, reuses_buffers, vote_blocks
 
 
 def squash(s: Tensor) -> Tensor:
@@ -59,10 +59,15 @@ def dynamic_routing(
     """
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
-    B, P, N, _ = children.shape
-    J = weight.shape[1]
-    u, w, blocks, vote_buffer = vote_blocks(children, weight)  # (BP, N, D), (N, D, J·D_out)
-    D_out = w.shape[-1] // J
+    B, P, N, D = children.shape
+    J, D_out = weight.shape[1], weight.shape[3]
+    assert pose_rows(children, weight) == 1, "dynamic routing has vector poses"
+    u = children.reshape(B * P, N, D)  # (BP, N, D)
+    w = weight.permute(0, 2, 1, 3).reshape(N, D, J * D_out)  # (N, D, J·D_out): û_{j|i} = W_ij u_i, D_out adjacent
+    blocks = vote_blocks(B * P, N * J * D_out * children.element_size())
+    # plain inference writes every block's votes into one buffer
+    size = N * (blocks[0][1] - blocks[0][0]) * J * D_out if blocks else 0
+    vote_buffer = children.new_empty(size) if reuses_buffers(children, weight) else None
     parents, coefficients = [], []
     for start, stop in blocks:
         n = stop - start
@@ -161,9 +166,9 @@ class DynamicCapsuleLayer(CapsuleLayer):
         super().__init__(config, in_types, in_size, pose, pose_dim, layer_norm=False, activations=False)
         # W ~ N(0, 1/D_out): each vote is about as long as its child (E|û_j|i|² = |u_i|²), so that the agreements
         # <û_j|i, v_j> start below 1 and the first rounds route softly; the lengths then start short and grow
-        # under the margin loss (our choice: the paper gives no init. Measured on
-        # multimnist-capsnet-small: a scale that keeps |s_j| ≈ |u_i| at uniform coupling, ~J/√N times larger, made
-        # routing near one-hot at the start and SGD oscillate, with the lengths saturating).
+        # under the margin loss (our choice: the paper gives no init). A scale that keeps |s_j| ≈ |u_i| at uniform
+        # coupling, about J/√N times larger, makes routing near one-hot from the start, and SGD oscillate as the
+        # lengths saturate.
         nn.init.normal_(self.weight, std=pose_dim**-0.5)
 
     def route(self, u: Tensor, iterations: int, keep_coefficients: bool = False) -> tuple[Tensor, Tensor | None]:

@@ -22,11 +22,9 @@ were also read):
   routing: a class layer fed by a whole grid gets far more data per parent than a 3×3 conv layer, and without the
   scaling one β_a, β_v and λ schedule cannot suit both (Gritzman's pitfall 2).
 - λ_t = 0.01 (1 − 0.95^t) for t = 1..T, the schedule Hinton gave on OpenReview (final λ 0.01).
-An earlier version standardised the cost over each position's parents, with λ_t = t, after www0wwwjs1. Measured on
-DiverseMultiMNIST (multimnist-em-small, 300 Adam steps of 32 images, validation recall of the k top-scoring classes
-for images with k digits, chance 0.19): standardised 0.25–0.29, this cost 0.34; with an fc capsule layer before the
-class capsules, standardised did not learn (validation spread loss flat with SGD or Adam; ranked recall 0.16–0.19
-trained with BCE instead), this cost reached 0.26.
+- The cost is not standardised over each position's parents (www0wwwjs1's choice, with λ_t = t): on
+  DiverseMultiMNIST, standardised costs learn less, and not at all with an fc capsule layer before the class
+  capsules (docs/benchmarks.md, EM routing).
 - ε = 1e-6 floors σ² (a parent whose votes agree exactly keeps a finite log σ and 1/σ²).
 - Each parent position routes its own window: a child in several overlapping windows is normalised per window,
   R_ij summing to 1 over the J parents of that position (as both reproductions do), which makes (batch × position)
@@ -48,7 +46,7 @@ from torch import Tensor, nn
 
 from capserve.configs import CapsuleLayerConfig
 from capserve.routing.attention import group_children, parents_layout
-from capserve.routing.blocks import row_blocks
+from capserve.routing.blocks import vote_blocks
 
 EM_VARIANCE_FLOOR = 1e-6
 
@@ -196,11 +194,7 @@ def em_route(
     J, D = weight.shape[1], E - 1
     rows = B * P
     u = children.reshape(rows, N, E)  # (BP, N, D + 1)
-    if torch.compiler.is_exporting():
-        blocks = [(0, rows)]  # an exported graph takes any batch: one block, no loop over a symbolic size
-    else:
-        block = max(1, EM_BLOCK_BYTES // (N * J * D * children.element_size()))  # rows whose votes fit
-        blocks = row_blocks(rows, block)
+    blocks = vote_blocks(rows, N * J * D * children.element_size(), block_bytes=EM_BLOCK_BYTES)
     parents, coefficients = [], []
     for start, stop in blocks:
         votes = em_votes(u[start:stop, :, :D], weight)  # (n, J, N, D)
@@ -225,7 +219,7 @@ class EMPrimaryCapsules(nn.Module):
 
     Every EM capsule is packed as one vector of D + 1 values, the √D×√D pose (row-major) followed by the logit of its
     activation (activation = sigmoid of the last value), so that poses flow between layers as one tensor like the
-    other routings' (see ``capserve.routing``'s EM section). ``layer_norm`` must be False: EM normalises nothing
+    other routings' (see the module docstring). ``layer_norm`` must be False: EM normalises nothing
     (``ModelConfig`` refuses True for EM).
 
     Shapes:
@@ -296,9 +290,9 @@ class EMCapsuleLayer(nn.Module):
         groups = config.kernel_size**2 * in_types if config.kind == "conv" else in_types
         children = groups * max(in_size, 1) ** 2 if config.kind == "fc" else groups  # N per parent position
         # std √N / X: 1/√X keeps each vote at its child's scale, and μ, the mean of N votes that disagree before
-        # training, shrinks it by up to √N (less once the E-step concentrates the assignments). Measured on the
-        # named configs, this keeps the poses' scale within 2× from layer to layer, where 1/√X shrinks it ~10×
-        # per layer and leaves the class capsules' coordinate addition (of scale 1) drowning the poses.
+        # training, shrinks it by up to √N (less once the E-step concentrates the assignments). So the poses keep
+        # their scale from layer to layer, where 1/√X alone shrinks it at every layer and leaves the class
+        # capsules' coordinate addition (of scale 1) drowning the poses.
         std = math.sqrt(children) / X
         self.weight = nn.Parameter(torch.randn(groups, config.types, X, X) * std)  # (G, J, X, X)
         self.beta_v = nn.Parameter(torch.zeros(config.types))  # (J,)

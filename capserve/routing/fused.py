@@ -62,6 +62,12 @@ def without_fused_kernel() -> Iterator[None]:
         _SKIPPED.reset(token)
 
 
+def compiled_kernels() -> int | None:
+    """How many block shapes ``fused_block`` is compiled for in this process (0: no step was big enough yet), or
+    None where ``torch.compile`` failed here and the steps run eagerly."""
+    return None if _FUSED_STATE["failed"] else len(_FUSED_KERNELS)
+
+
 def fused_block(u: Tensor, w: Tensor, q: Tensor) -> Tensor:
     """One attention iteration over a block of rows, written for ``torch.compile``: each sum below is one loop nest
     over its products, and no vote v_ij = u_i W_ij is ever stored (each sum recomputes the products it needs,

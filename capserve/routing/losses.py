@@ -1,4 +1,4 @@
-"""Training losses, one per routing algorithm, each as its own paper trains it.
+"""Training losses, one per routing algorithm, each as its own paper trains it (the table: ``ROUTINGS``).
 
 Every model returns logits (B, C) whatever its routing, so that serving, evaluation and export never ask which
 routing a model uses; a routing whose paper scores capsules by length or activation in (0, 1) returns that score
@@ -17,24 +17,13 @@ as a logit (sigmoid(logit) = score), and its loss reads the score back with ``to
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from torch import Tensor
-
 from capserve.configs import ModelConfig
 from capserve.routing.attention import cross_entropy_loss
-from capserve.routing.dynamic import margin_loss
-from capserve.routing.em import spread_loss
-
-# (logits (B, C), targets: (B,) class indices or (B, C) multi-hot, multi_label, progress through training in [0, 1])
-Loss = Callable[[Tensor, Tensor, bool, float], Tensor]
-
-
-LOSSES: dict[str, Loss] = {"attention": cross_entropy_loss, "dynamic": margin_loss, "em": spread_loss}
+from capserve.routing.registry import ROUTINGS, Loss
 
 
 def training_loss(config: ModelConfig) -> Loss:
     """The loss that ``config``'s routing algorithm is trained with (a baseline CNN: cross-entropy)."""
     if not config.has_routing:
         return cross_entropy_loss
-    return LOSSES[config.routing_algorithm]
+    return ROUTINGS[config.routing_algorithm].loss

@@ -39,6 +39,15 @@ class Runtime(ABC):
         """Logits (B, C) as float32 for a checked batch of normalised images (B, C, H, W)."""
         return self._predict(self.check_batch(batch))
 
+    def predict_in_batches(self, images: np.ndarray, batch_size: int = 64) -> np.ndarray:
+        """Logits (N, C) for any number of normalised images (N, C, H, W), ``batch_size`` at a time: one call holds
+        at most one batch of activations, and an engine's largest batch bounds it."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(images) <= batch_size:  # an empty batch included: ``check_batch`` says what is wrong with it
+            return self.predict(images)
+        return np.concatenate([self.predict(images[i : i + batch_size]) for i in range(0, len(images), batch_size)])
+
     def explain(self, batch: np.ndarray) -> Explanation:
         """Logits and part-whole parse; backends without routing outputs raise NotImplementedError."""
         raise NotImplementedError(f"the {self.backend} backend cannot explain this artifact")

@@ -12,6 +12,7 @@ from typing import Any
 
 from capserve.configs import ModelConfig
 from capserve.errors import RuntimeLoadError
+from capserve.records import checked_fields
 
 # written by capserve.export.onnx (kept here so that serving never imports the exporter)
 METADATA_KEY = "capserve.metadata"
@@ -67,15 +68,10 @@ class ModelMetadata:
             data: dict[str, Any] = json.loads(text)
         except json.JSONDecodeError as e:
             raise RuntimeLoadError(f"model metadata is not valid JSON: {e}") from e
-        if not isinstance(data, dict):
-            raise RuntimeLoadError("model metadata must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise RuntimeLoadError(f"unknown model metadata keys {unknown}")
-        missing = sorted({f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING} - data.keys())
-        if missing:
-            raise RuntimeLoadError(f"model metadata lacks {missing}")
+        try:
+            checked_fields(cls, data, "model metadata")
+        except ValueError as e:
+            raise RuntimeLoadError(str(e)) from e
         for key in ("labels", "mean", "std", "thresholds"):
             if data.get(key) is not None:
                 data[key] = tuple(data[key])

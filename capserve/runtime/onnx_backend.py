@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from capserve.configs import MODELS, CapsuleLayerConfig, ModelConfig, update_is_read
+from capserve.configs import MODELS, CapsuleLayerConfig, ModelConfig
 from capserve.errors import RuntimeLoadError
+from capserve.routing.registry import ROUTINGS, update_is_read
 from capserve.runtime.base import Explanation, Runtime
 from capserve.runtime.metadata import CONFIG_KEY, LOGITS, METADATA_KEY, PART_WHOLE, PRECISION_KEY, ModelMetadata
 
@@ -52,8 +53,8 @@ def providers_for(device: str) -> list[Provider]:
 MEMORY_BUDGET_MB = 512
 
 
-# ONNX Runtime's peak over its base, per vote byte of the routed layers (cifar10-resnet, batch 32: measured 2.3 at
-# T = 3 and T = 5); rounded up so that a chunk stays inside the budget
+# ONNX Runtime's peak over its base, per vote byte of the routed layers (the votes, their products with the parents
+# and the weighted votes), rounded up so that a chunk stays inside the budget (docs/benchmarks.md)
 VOTE_COPIES = 3
 
 
@@ -63,7 +64,7 @@ def vote_bytes_per_image(config: ModelConfig, iterations: int | None, element_si
     iteration routes uniformly without votes (EM's M-step reads every vote at any T).
 
     Summed over layers because a concurrent update computes every layer's step from the same poses, and a runtime
-    may hold them at once. Follows ``CapsNet._route``: sequential routing routes every layer when T >= 2; concurrent
+    may hold them at once. Follows ``CapsNet.route``: sequential routing routes every layer when T >= 2; concurrent
     routing routes layer i only if its iteration-2 update is read (``update_is_read``).
     """
     if iterations is None or not config.has_routing:
@@ -78,7 +79,7 @@ def vote_bytes_per_image(config: ModelConfig, iterations: int | None, element_si
         else:
             children, positions, side = types * side**2, 1, 1
         routes = iterations >= 2 if config.routing == "sequential" else update_is_read(i, 2, len(layers), iterations)
-        routes = routes or config.routing_algorithm == "em"
+        routes = routes or ROUTINGS[config.routing_algorithm].votes_at_first_iteration
         if routes:
             total += positions * children * layer.types * config.pose_dim * element_size
         types = layer.types
@@ -169,7 +170,7 @@ class OnnxRuntime(Runtime):
         options.intra_op_num_threads = threads
         options.enable_cpu_mem_arena = memory_arena
         # batch sizes vary from call to call (adaptive batching): a memory pattern is planned and kept per input
-        # shape, which costs more memory than it saves time (measured: 127 vs 194 MB RSS over random batches)
+        # shape, which costs more memory than it saves time (docs/benchmarks.md)
         options.enable_mem_pattern = False
         options.log_severity_level = 3  # errors only: provider fallbacks are checked and reported below
         try:

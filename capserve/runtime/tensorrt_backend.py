@@ -19,6 +19,7 @@ import numpy as np
 
 from capserve.errors import InputError, RuntimeLoadError
 from capserve.hashing import sha256_bytes
+from capserve.records import checked_fields
 from capserve.runtime.base import Explanation, Runtime
 from capserve.runtime.metadata import LOGITS, PART_WHOLE, ModelMetadata
 
@@ -96,14 +97,9 @@ class EngineSidecar:
             )
         try:
             data = json.loads(path.read_text())
-            if not isinstance(data, dict):
-                raise TypeError("not a JSON object")
+            checked_fields(cls, data, "engine sidecar")
             if data.get("format_version") != SIDECAR_FORMAT:
                 raise ValueError(f"format_version {data.get('format_version')!r} is not {SIDECAR_FORMAT}")
-            known = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(data) - known)
-            if unknown:
-                raise ValueError(f"unknown keys {unknown}")
             data["metadata"] = ModelMetadata.from_json(json.dumps(data["metadata"]))
             data["outputs"] = tuple(data["outputs"])
             return cls(**data)

@@ -11,8 +11,9 @@ import torch
 
 import capserve
 from capserve.errors import CheckpointError, RuntimeLoadError
+from capserve.hashing import file_sha256
 from capserve.model.capsnet import RoutingTrace
-from capserve.model.checkpoint import WEIGHTS, file_sha256
+from capserve.model.checkpoint import WEIGHTS
 from capserve.runtime.base import Explanation, Runtime
 from capserve.runtime.metadata import ModelMetadata
 
@@ -26,8 +27,8 @@ class TorchRuntime(Runtime):
         path: model directory (``model.safetensors`` + ``config.json``).
         device: "cpu", "cuda" or "cuda:N".
         iterations: routing iterations T (default: the config's; a CNN without routing takes none).
-        precision: "fp32", or "bf16"/"fp16" autocast (bf16 on a CPU with AVX-512 BF16: 2-3× the batch-64
-            throughput of fp32 for cifar10-resnet, same test accuracy; see docs/export.md).
+        precision: "fp32", or "bf16"/"fp16" autocast (bf16 pays only on a CPU with native bf16 arithmetic;
+            docs/export.md).
     """
 
     backend = "torch"
@@ -53,7 +54,7 @@ class TorchRuntime(Runtime):
             self.model = capserve.load(path, self.device)
         except (CheckpointError, RuntimeError) as e:
             raise RuntimeLoadError(str(e)) from e
-        self.iterations = self.model._iterations(iterations)
+        self.iterations = self.model.resolve_iterations(iterations)
         self.metadata = ModelMetadata.from_config(
             self.model.config,
             self.iterations,

@@ -1,17 +1,17 @@
-"""Everything the HTTP service does, as plain Python: settings, model loading (directories or BentoML's model
-store), the request logic and its results, the ASGI request guard, the server process's start-up rules.
+"""The request logic of the HTTP service: ``Capsules`` (the served models, loaded once and warmed up, and one method
+per endpoint), the errors it refuses requests with (``RequestError``, ``http_error``) and image decoding
+(``decode``).
 
-``service.py`` is a thin BentoML shell over ``Capsules``. BentoML is imported only inside the functions that
-need it (the model store, the adaptive batching engine, its exception types, its metrics folder).
+``service.py`` is a thin BentoML shell over ``Capsules``. BentoML is imported only inside the functions that need
+it (its exception types, its version); adaptive batching is ``capserve.serving.batching``'s, the cores lent between
+workers ``capserve.serving.cores``'s, model loading ``capserve.serving.sources``'s.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import functools
 import logging
-import time
 from dataclasses import asdict
 from http import HTTPStatus
 from pathlib import Path
@@ -30,25 +30,20 @@ from capserve.serving.batching import (
     ENDPOINTS,
     INLINE_DECODE_BYTES,
     INLINE_DECODE_PIXELS,
-    batch_runtime,
+    Batcher,
     batch_size_histogram,
-    batches_for,
-    borrowing_runtime,
-    refit_batch_times,
 )
-from capserve.serving.cores import core_shares
+from capserve.serving.cores import CoreLending
 from capserve.serving.explain import heatmap_png, selectivity, vs_uniform
-from capserve.serving.guard import _request_error
+from capserve.serving.guard import remember_error
 from capserve.serving.process import leave_failed_worker, report_failed_start
-from capserve.serving.routes import ARRAY_ROUTES, INPUT_SHAPES, NO_MULTILABEL_MODEL
+from capserve.serving.routes import ARRAY_ROUTES, NO_MULTILABEL_MODEL
 from capserve.serving.schemas import Capsule, Classification, Explained, MultiLabel
 from capserve.serving.settings import Settings
 from capserve.serving.sources import EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model
 from capserve.serving.workers import Worker, assign
 
 log = logging.getLogger("capserve.service")
-
-SHED_LOG_SECONDS = 10.0  # at most one log line per endpoint this often about requests shed with a 503
 
 
 # ---------------------------------------------------------------------------- request errors
@@ -66,12 +61,11 @@ _HTTP_ERRORS: dict[int, type] = {}
 
 
 def http_error(error: RequestError) -> Exception:
-    """``error`` as the BentoML exception that makes BentoML answer with its status."""
+    """``error`` as the BentoML exception that makes BentoML answer with its status (its ``error_code``); its
+    message is kept for the answer's body (``remember_error``)."""
     from bentoml.exceptions import BentoMLException
 
-    known = _request_error.get()
-    if known is not None:
-        known["message"] = str(error)
+    remember_error(str(error))
     if error.status not in _HTTP_ERRORS:
         _HTTP_ERRORS[error.status] = type(
             f"HTTP{error.status}", (BentoMLException,), {"error_code": HTTPStatus(error.status)}
@@ -108,7 +102,10 @@ class Capsules:
     """What the service does, for ``service.py`` to expose: the runtimes (loaded once and warmed up), adaptive
     batching of single-image requests, and one method per endpoint. Bad requests raise ``error(RequestError)``
     (``http_error``: BentoML's exceptions, answered with the right status). ``worker`` is this server process's
-    share of the machine (``capserve.serving.workers.assign``; default: the only worker, all of it)."""
+    share of the machine (``capserve.serving.workers.assign``; default: the only worker, all of it).
+
+    ``input_shapes`` maps each pixel-tensor route to the (C, H, W) its model takes, for ``RequestGuard`` and the
+    OpenAPI document."""
 
     def __init__(self, settings: Settings, error: Any = http_error, worker: Worker | None = None):
         self.error, self.ready = error, False
@@ -129,28 +126,24 @@ class Capsules:
                         f"{self.multilabel_runtime.metadata.task} model; give a multi_label "
                         "one or 'none'"
                     )
+            runtimes = {False: self.runtime, True: self.multilabel_runtime}  # multilabel → its runtime
             self.batching = settings.max_batch_size > 1
-            self._batchers: dict[bool, Any] = {}  # multilabel → batched predict
-            self._dispatchers: dict[bool, Any] = {}  # multilabel → BentoML's CorkDispatcher behind it
-            # multilabel → the runtime its adaptive batches run on (a separate ONNX Runtime session on CPUs)
-            self._batch_runtimes: dict[bool, Runtime] = {}
-            for multilabel, runtime in ((False, self.runtime), (True, self.multilabel_runtime)):
-                if runtime is not None and self.batching:
-                    self._batch_runtimes[multilabel] = batch_runtime(runtime, settings)
+            # multilabel → adaptive batching of its single-image requests (their own ONNX Runtime session on CPUs)
+            infer = functools.partial(self.run, self.predict)
+            self.batchers = {
+                multilabel: Batcher(runtime, settings, ENDPOINTS[multilabel], infer, self.fail)
+                for multilabel, runtime in runtimes.items()
+                if runtime is not None and self.batching
+            }
             self._pending = {False: 0, True: 0}  # multilabel → single-image requests decoding, queued or running
-            # several CPU workers lend each other idle cores for lone requests (capserve.serving.cores): then
-            # multilabel → a session of the same graph on every worker's threads, for when this one borrows them
-            self.cores = core_shares(self.worker)
-            self._borrowing: dict[bool, Runtime] = {}
-            for multilabel, runtime in ((False, self.runtime), (True, self.multilabel_runtime)):
-                wide = borrowing_runtime(runtime, settings, self.worker) if self.cores and runtime else None
-                if wide is not None:
-                    self._borrowing[multilabel] = wide
+            # several CPU workers lend each other idle cores for lone requests (capserve.serving.cores)
+            self.cores = CoreLending(self.worker, settings, runtimes)
             self._warm_up()
-            for route, multilabel in ARRAY_ROUTES.items():
-                runtime = self.multilabel_runtime if multilabel else self.runtime
-                if runtime is not None:
-                    INPUT_SHAPES[route] = tuple(runtime.metadata.input_shape)  # (C, H, W): RequestGuard checks it
+            self.input_shapes = {
+                route: tuple(runtimes[multilabel].metadata.input_shape)  # (C, H, W)
+                for route, multilabel in ARRAY_ROUTES.items()
+                if runtimes[multilabel] is not None
+            }
             if settings.api_keys:
                 log.info(
                     "API keys: %d; every route but /livez, /readyz and /metrics needs 'Authorization: Bearer KEY'",
@@ -164,8 +157,8 @@ class Capsules:
         except Exception as e:  # any failed start stops the server (exit 3); unexpected ones with their traceback
             log.critical("capserve cannot start: %s", e, exc_info=not isinstance(e, ConfigurationError))
             if report_failed_start() and isinstance(e, ConfigurationError):
-                # a server's worker: its server now stops with status 3. Leaving here spares the log BentoML's two
-                # tracebacks of what the line above already said (60 lines for one mistake)
+                # a server's worker: its server stops with status 3, and leaving here spares the log BentoML's
+                # tracebacks of what the line above already said (leave_failed_worker)
                 leave_failed_worker()
             raise
 
@@ -173,7 +166,7 @@ class Capsules:
         """One inference per loaded runtime (and explanation graph): readiness means a real answer came back."""
         try:
             served = (self.runtime, self.multilabel_runtime, self.explainer)
-            others = (*self._batch_runtimes.values(), *self._borrowing.values())
+            others = (*(batcher.runtime for batcher in self.batchers.values()), *self.cores.wide.values())
             batch_sessions = [r for r in others if all(r is not s for s in served)]
             for runtime in (*served, *batch_sessions):
                 if runtime is None:
@@ -187,10 +180,10 @@ class Capsules:
                     )
                 if runtime is self.explainer:
                     runtime.explain(zeros)
-            for runtime in self._batch_runtimes.values():
+            for runtime in (batcher.runtime for batcher in self.batchers.values()):
                 if runtime.backend == "torch" and self.settings.device == "cpu":
-                    # a full batch, so that big routing steps compile their fused kernel (capserve.routing; seconds,
-                    # once per shape) now rather than in the first busy moment's requests
+                    # a full batch, so that big routing steps compile their fused kernel (capserve.routing; once per
+                    # shape) during start-up rather than in the first busy moment's requests
                     full = np.zeros((self.settings.max_batch_size, *runtime.metadata.input_shape), np.uint8)
                     runtime.predict(normalize_images(full, runtime.metadata))
         except (InputError, NotImplementedError, RuntimeError, AssertionError) as e:
@@ -209,24 +202,23 @@ class Capsules:
     def fail(self, status: int, message: str) -> Exception:
         return self.error(RequestError(status, message))
 
-    def predict(self, runtime: Runtime, pixels: np.ndarray, wide: Runtime | None = None) -> np.ndarray:
-        """uint8 (B, C, H, W) → float32 logits (B, classes); bad pixels or shapes are 400s. ``wide``: the same
-        graph on every worker's threads, run instead when this worker may borrow the others' idle cores."""
+    def predict(
+        self, runtime: Runtime, pixels: np.ndarray, wide: Runtime | None = None, batch_size: int | None = None
+    ) -> np.ndarray:
+        """uint8 (B, C, H, W) → float32 logits (B, classes), ``batch_size`` images at a time (default all); bad
+        pixels or shapes are 400s. ``wide``: the same graph on every worker's threads, run instead when this worker
+        may borrow the others' idle cores."""
         if pixels.dtype != np.uint8:  # JSON tensors arrive as int64
             if pixels.dtype.kind not in "iu" or pixels.size == 0 or pixels.min() < 0 or pixels.max() > 255:
                 raise self.fail(400, f"images must be integer pixels in [0, 255], got {pixels.dtype} values")
             pixels = pixels.astype(np.uint8)
         try:
             x = normalize_images(pixels, runtime.metadata)
-            with self.running(wide is not None) as borrowed:
-                return (wide if borrowed and wide is not None else runtime).predict(x)
+            with self.cores.running(wide is not None) as borrowed:
+                chosen = wide if borrowed and wide is not None else runtime
+                return chosen.predict_in_batches(x, batch_size or max(len(x), 1))
         except InputError as e:
             raise self.fail(400, str(e)) from e
-
-    def running(self, wide: bool = False) -> contextlib.AbstractContextManager[bool]:
-        """Around each inference: this worker's share of the cores (with ``wide``, every worker's when the others
-        are idle; yields whether it got them). One worker, or a GPU: nothing to share, never wide."""
-        return self.cores.running(wide) if self.cores else contextlib.nullcontext(False)
 
     async def run(self, function: Any, *args: Any) -> Any:
         """``function(*args)`` in a worker thread; its RequestErrors become ``error``'s exceptions."""
@@ -254,10 +246,10 @@ class Capsules:
 
         def decode_and_predict() -> np.ndarray:  # a lone request: it may borrow idle workers' cores
             pixels = decode(image, runtime, max_pixels)[None]  # (1, C, H, W)
-            return self.predict(runtime, pixels, wide=self._borrowing.get(multilabel))  # (1, classes)
+            return self.predict(runtime, pixels, wide=self.cores.wide.get(multilabel))  # (1, classes)
 
         self._pending[multilabel] += 1
-        self.publish_requests()
+        self.cores.requests(sum(self._pending.values()))
         try:
             if not self.batching:
                 return await self.run(decode_and_predict)
@@ -267,18 +259,10 @@ class Capsules:
             pixels = self.decode_small(image, runtime)
             if pixels is None:
                 pixels = await self.run(decode, image, runtime, max_pixels)
-            if multilabel not in self._batchers:  # created on first use: the engine binds to the running event loop
-                self._batchers[multilabel] = self._batcher(runtime, multilabel)
-            return await self._batchers[multilabel](pixels[None])
+            return await self.batchers[multilabel](pixels[None])
         finally:
             self._pending[multilabel] -= 1
-            self.publish_requests()
-
-    def publish_requests(self) -> None:
-        """Tell the other workers how many single-image requests this one has in progress: a lone request borrows
-        their cores only when none has any (capserve.serving.cores)."""
-        if self.cores:
-            self.cores.requests(self._pending[False] + self._pending[True])
+            self.cores.requests(sum(self._pending.values()))
 
     def decode_small(self, image: Upload, runtime: Runtime) -> np.ndarray | None:
         """``image`` decoded right here, on the event loop, when it is small (``INLINE_DECODE_BYTES``,
@@ -292,73 +276,6 @@ class Capsules:
             if isinstance(e.__cause__, ImageTooLargeError):
                 return None  # only too large to decode here: a worker thread checks it against the real limit
             raise self.error(e) from e
-
-    def _batcher(self, runtime: Runtime, multilabel: bool) -> Any:
-        """BentoML's adaptive batching engine (the CorkDispatcher behind batchable APIs) around ``runtime``.
-
-        Called in-process: BentoML's own in-process client to a batchable API (``self.to_async``) loses
-        responses under concurrency (aiohttp "Server disconnected"), so the endpoints use the engine directly.
-        """
-        from bentoml._internal.marshal.dispatcher import CorkDispatcher, NonBlockSema
-
-        settings = self.settings
-
-        shed = {"requests": 0, "logged": -float("inf")}
-
-        def overloaded() -> Any:
-            # BentoML's dispatcher sheds a request when its estimate of the wait (time queued + recent batch
-            # times for the queue ahead) reaches the budget, not only once the request has waited that long
-            shed["requests"] += 1
-            if time.monotonic() - shed["logged"] >= SHED_LOG_SECONDS:  # one line per interval, not per request
-                shed["logged"] = time.monotonic()
-                optimizer = dispatcher.optimizer  # its fit of batch time = a · images + b, from recent batches
-                log.warning(
-                    "/%s: adaptive batching has shed %d request(s) with a 503 so far: its estimate of "
-                    "their wait reached CAPSERVE_MAX_LATENCY_MS=%d ms (%d more queued; batch time "
-                    "estimated as %.2f ms per image + %.1f ms)",
-                    endpoint,
-                    shed["requests"],
-                    settings.max_latency_ms,
-                    len(getattr(dispatcher, "_queue", ())),
-                    1e3 * optimizer.o_a,
-                    1e3 * optimizer.o_b,
-                )
-            raise self.fail(
-                503,
-                f"the server is overloaded: adaptive batching expects this request to wait over "
-                f"{settings.max_latency_ms} ms (CAPSERVE_MAX_LATENCY_MS); retry later",
-            )
-
-        batch_runtime = self._batch_runtimes.get(multilabel, runtime)
-        in_flight = self.batches_in_flight(multilabel)
-        dispatcher = CorkDispatcher(
-            max_latency_in_ms=settings.max_latency_ms,
-            max_batch_size=settings.max_batch_size,
-            fallback=overloaded,
-            get_batch_size=len,
-            batch_dim=(0, 0),
-            shared_sema=NonBlockSema(in_flight),
-        )
-        # its own least-squares fit of batch times turns one slow batch into seconds per image (refit_batch_times)
-        dispatcher.optimizer.trigger_refresh = functools.partial(refit_batch_times, dispatcher.optimizer)
-        self._dispatchers[multilabel] = dispatcher
-        endpoint = ENDPOINTS[multilabel]
-
-        async def infer(batches: list[np.ndarray]) -> list[np.ndarray]:
-            batch_size_histogram().labels(endpoint=endpoint).observe(len(batches))
-            logits = await self.run(self.predict, batch_runtime, np.concatenate(batches))  # (B, classes)
-            return list(np.split(logits, np.cumsum([len(b) for b in batches])[:-1]))
-
-        return dispatcher(infer)
-
-    def batches_in_flight(self, multilabel: bool = False) -> int:
-        """How many adaptive batches may run at once: ``batches_for`` the worker's threads on a separate batch
-        session (ONNX Runtime on a CPU, ``batch_runtime``), else 1 (BentoML's default); 0 with batching off."""
-        if not self.batching:
-            return 0
-        runtime = self.multilabel_runtime if multilabel else self.runtime
-        apart = self._batch_runtimes.get(multilabel, runtime) is not runtime
-        return batches_for(self.settings.threads or 1) if apart else 1
 
     def check_top_k(self, top_k: int) -> None:
         labels = len(self.runtime.metadata.labels)
@@ -382,9 +299,7 @@ class Capsules:
 
         def run() -> np.ndarray:
             pixels = [decode(path, self.runtime, settings.max_pixels, f"image {i}") for i, path in enumerate(files)]
-            batch = np.stack(pixels)  # (B, C, H, W)
-            step = settings.max_batch_size
-            return np.concatenate([self.predict(self.runtime, batch[i : i + step]) for i in range(0, len(batch), step)])
+            return self.predict(self.runtime, np.stack(pixels), batch_size=settings.max_batch_size)  # (B, C, H, W)
 
         return classifications(await self.run(run), meta, top_k)
 
@@ -414,7 +329,7 @@ class Capsules:
 
         def run() -> Explanation:
             x = normalize_images(pixels[None], meta)
-            with self.running():
+            with self.cores.running():
                 return explainer.explain(x)
 
         explanation = await self.run(run)
@@ -472,7 +387,7 @@ class Capsules:
             "workers": self.worker.count,
             "device": self.worker.device,
             "threads": self.worker.threads,
-            "lone_request_threads": self.worker.threads * self.worker.count if self._borrowing else self.worker.threads,
+            "lone_request_threads": self.cores.threads,
             "single_label": model(self.runtime, self.source),
             "multi_label": model(self.multilabel_runtime, self.multilabel_source),
             "explain": model(self.explainer, self.source),
@@ -480,7 +395,7 @@ class Capsules:
                 "enabled": self.batching,
                 "max_batch_size": s.max_batch_size,
                 "max_latency_ms": s.max_latency_ms,
-                "batches_in_flight": self.batches_in_flight(),
+                "batches_in_flight": self.batchers[False].in_flight if self.batching else 0,
             },
             "limits": {"max_bytes": s.max_bytes, "max_pixels": s.max_pixels, "max_images": s.max_images},
             "versions": {"capserve": self.runtime.metadata.capserve_version, "bentoml": bentoml.__version__},

@@ -1,18 +1,25 @@
-"""Adaptive batching: the ONNX Runtime session the batches run on, lone-request options, the batch-size metric."""
+"""Adaptive batching of single-image requests: the ONNX Runtime session the batches run on, BentoML's batching
+engine around it (``Batcher``), lone-request options and the batch-size metric."""
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
 from capserve.runtime import Runtime, load_runtime
 from capserve.serving.settings import Settings
-from capserve.serving.workers import Worker, available_cores
+from capserve.serving.workers import available_cores
 
-# An upload at most this large decodes on the event loop under load (≈ 0.05–0.15 ms for a 32×32 to 64×64 PNG or
-# JPEG), saving the hops to a worker thread and back: +10 % req/s on /multilabel at concurrency 32
-# (docs/benchmarks.md). A larger one decodes in a worker thread, beside the event loop.
+log = logging.getLogger("capserve.service")
+
+# An upload at most this large decodes on the event loop under load: a small PNG or JPEG decodes faster than the
+# hops to a worker thread and back (docs/benchmarks.md, "HTTP request path"). A larger one decodes in a worker
+# thread, beside the event loop.
 INLINE_DECODE_BYTES = 64 * 1024
 
 
@@ -22,14 +29,19 @@ INLINE_DECODE_PIXELS = 64 * 64
 BATCHES_IN_FLIGHT = 2  # adaptive batches run at once on a separate ONNX Runtime CPU session (batch_runtime)
 
 
+SHED_LOG_SECONDS = 10.0  # at most one log line per endpoint this often about requests shed with a 503
+
+
+ENDPOINTS = {False: "classify", True: "multilabel"}  # multilabel → the endpoint label of the batch-size metric
+
+
 def lone_request_options(settings: Settings) -> dict[str, Any]:
     """Options of the session that serves predictions. With adaptive batching on a CPU, ONNX Runtime batches run on
     their own session (``batch_runtime``) and this one mostly runs lone requests, one at a time: its threads may spin
     between an operator's parallel sections instead of sleeping and waking (ONNX Runtime's default, which every
-    other session here turns off). Measured with ``benchmarks/bench_http.py --table-only`` (4 interleaved rounds,
-    quiet 2-core machine): concurrency-1 p50 10.6 → 9.7 ms on ``/classify`` and 5.5 → 4.5 ms on ``/multilabel``,
-    throughput at concurrency 32 and CPU per request unchanged. With batching off, concurrent requests share this
-    session, and spinning threads would take the cores their peers need."""
+    other session here turns off), which lowers a lone request's latency without costing throughput under load
+    (docs/benchmarks.md, "HTTP request path"). With batching off, concurrent requests share this session, and
+    spinning threads would take the cores their peers need."""
     if settings.backend != "onnxruntime":
         return {}
     threads = {"threads": settings.threads} if settings.threads else {}  # the worker's share (None: all cores)
@@ -47,26 +59,15 @@ def batches_for(threads: int) -> int:
 def batch_runtime(runtime: Runtime, settings: Settings) -> Runtime:
     """The runtime adaptive batches run on: for ONNX Runtime on a CPU, a second session of the same graph with the
     worker's cores (``settings.threads``, capserve.serving.workers) split between the batches in flight
-    (``batches_for``; on 2 cores: one intra-op thread each), so that the next batch starts while one runs and
-    no run waits on a peer thread descheduled by another; measured on a 2-core machine at concurrency 32,
-    ≈ 10 % less CPU per request than one batch at a time on both cores (docs/benchmarks.md). Lone requests
-    keep ``runtime`` and all the worker's cores (the lowest latency). Other backends: itself.
+    (``batches_for``; on 2 cores: one intra-op thread each), so that the next batch starts while one runs and no
+    run waits on a peer thread descheduled by another, which costs less CPU per request than one batch at a time
+    on all the cores (docs/benchmarks.md). Lone requests keep ``runtime`` and all the worker's cores (the lowest
+    latency). Other backends: itself.
     """
     if runtime.backend != "onnxruntime" or settings.device != "cpu":
         return runtime
     threads = settings.threads or available_cores()
     return load_runtime(runtime.path, "onnxruntime", settings.device, threads=max(1, threads // batches_for(threads)))
-
-
-def borrowing_runtime(runtime: Runtime, settings: Settings, worker: Worker) -> Runtime | None:
-    """The session a lone request runs on when its worker has borrowed the other workers' idle cores
-    (capserve.serving.cores): the same ONNX Runtime graph on every worker's threads together (so never more than
-    the server's), spinning like the lone-request session. None for other backends: torch's threads are set for
-    the whole process, and TensorRT serves on GPUs."""
-    if runtime.backend != "onnxruntime" or settings.device != "cpu":
-        return None
-    options = {**lone_request_options(settings), "threads": worker.threads * worker.count}
-    return load_runtime(runtime.path, "onnxruntime", settings.device, **options)
 
 
 def refit_batch_times(optimizer: Any) -> None:
@@ -75,10 +76,14 @@ def refit_batch_times(optimizer: Any) -> None:
     part, wait = the median wait.
 
     BentoML fits batch time = a · images + b by least squares and clips b at 0. Its batches are nearly all the same
-    size under load, so one slow batch (a paused process, a descheduled thread) tilts the line: measured in
-    ``benchmarks/bench_http.py``'s table, a went from 4 ms to 134–895 ms per image, the estimated wait of a queue of
-    a dozen requests passed ``CAPSERVE_MAX_LATENCY_MS`` (10 s) while real waits were 0.1–0.4 s, and requests were
-    shed with 503s; a large mean wait also kept batches corked until full. Medians ignore such outliers."""
+    size under load, so one slow batch (a paused process, a descheduled thread) tilts the line to seconds per image:
+    the estimated wait of a short queue then passes ``CAPSERVE_MAX_LATENCY_MS`` while real waits are well under it,
+    and requests are shed with 503s; a large mean wait also keeps batches corked until full. Medians ignore such
+    outliers (docs/deploy.md has what it cost in ``benchmarks/bench_http.py``'s table).
+
+    Works around ``Optimizer.trigger_refresh`` (``bentoml._internal.marshal.dispatcher``) of BentoML 1.4.40: once
+    upstream fits robustly, the assertion on BentoML's own fit in tests/serving/test_service_paths.py
+    (``test_one_slow_batch_does_not_make_adaptive_batching_shed_requests``) fails."""
     if not optimizer.o_stat:
         return
     images, seconds, waits = np.array(optimizer.o_stat, dtype=np.float64).T  # (S,) each
@@ -87,7 +92,89 @@ def refit_batch_times(optimizer: Any) -> None:
     optimizer.wait = max(0.0, float(np.median(waits)))
 
 
-ENDPOINTS = {False: "classify", True: "multilabel"}  # multilabel → the endpoint label of the batch-size metric
+class Batcher:
+    """Adaptive batching of one model's single-image requests: ``await batcher(pixels)``, uint8 (1, C, H, W) →
+    logits (1, classes), merged with concurrent requests into batches of up to ``settings.max_batch_size``.
+
+    The batches run on ``runtime`` (``batch_runtime`` of the served one), at most ``in_flight`` at once, each
+    through ``infer(runtime, pixels)`` (B, C, H, W) → logits (B, classes). A request that the engine expects to
+    wait longer than ``CAPSERVE_MAX_LATENCY_MS`` is shed: it raises ``fail(503, message)``, and the shedding is
+    logged at most once per ``SHED_LOG_SECONDS``.
+
+    The engine is BentoML's (the ``CorkDispatcher`` behind batchable APIs), called in-process: BentoML 1.4.40's
+    in-process client to a batchable API (``self.to_async``) loses responses under concurrency (aiohttp "Server
+    disconnected"). To tell when that is fixed upstream: route ``/classify`` through ``self.to_async.logits`` and
+    run tests/serving/test_service.py's ``test_concurrent_requests_equal_unbatched``.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        settings: Settings,
+        endpoint: str,
+        infer: Callable[[Runtime, np.ndarray], Awaitable[np.ndarray]],
+        fail: Callable[[int, str], Exception],
+    ):
+        self.runtime = batch_runtime(runtime, settings)
+        self.settings, self.endpoint = settings, endpoint
+        apart = self.runtime is not runtime  # a session of its own (ONNX Runtime on a CPU): the worker's threads split
+        self.in_flight = batches_for(settings.threads or 1) if apart else 1  # else 1, BentoML's default
+        self._infer, self._fail = infer, fail
+        self.dispatcher: Any = None  # BentoML's CorkDispatcher, once started
+        self._batched: Any = None
+        self.shed, self._logged = 0, -float("inf")  # requests shed so far; when that was last logged
+
+    async def __call__(self, pixels: np.ndarray) -> np.ndarray:
+        return await self.start()(pixels)
+
+    def start(self) -> Any:
+        """BentoML's engine around this batcher's inference, created once, on first use: its queue binds to the
+        event loop that is running then."""
+        if self._batched is None:
+            from bentoml._internal.marshal.dispatcher import CorkDispatcher, NonBlockSema
+
+            self.dispatcher = CorkDispatcher(
+                max_latency_in_ms=self.settings.max_latency_ms,
+                max_batch_size=self.settings.max_batch_size,
+                fallback=self._overloaded,
+                get_batch_size=len,
+                batch_dim=(0, 0),
+                shared_sema=NonBlockSema(self.in_flight),
+            )
+            optimizer = self.dispatcher.optimizer
+            optimizer.trigger_refresh = functools.partial(refit_batch_times, optimizer)
+            self._batched = self.dispatcher(self._run)
+        return self._batched
+
+    async def _run(self, batches: list[np.ndarray]) -> list[np.ndarray]:
+        batch_size_histogram().labels(endpoint=self.endpoint).observe(len(batches))
+        logits = await self._infer(self.runtime, np.concatenate(batches))  # (B, classes)
+        return list(np.split(logits, np.cumsum([len(b) for b in batches])[:-1]))
+
+    def _overloaded(self) -> Any:
+        # BentoML's dispatcher sheds a request when its estimate of the wait (time queued + recent batch times for
+        # the queue ahead) reaches the budget, not only once the request has waited that long
+        self.shed += 1
+        budget = self.settings.max_latency_ms
+        if time.monotonic() - self._logged >= SHED_LOG_SECONDS:  # one line per interval, not per request
+            self._logged = time.monotonic()
+            optimizer = self.dispatcher.optimizer  # its fit of batch time = a · images + b, from recent batches
+            log.warning(
+                "/%s: adaptive batching has shed %d request(s) with a 503 so far: its estimate of their wait "
+                "reached CAPSERVE_MAX_LATENCY_MS=%d ms (%d more queued; batch time estimated as %.2f ms per "
+                "image + %.1f ms)",
+                self.endpoint,
+                self.shed,
+                budget,
+                len(getattr(self.dispatcher, "_queue", ())),
+                1e3 * optimizer.o_a,
+                1e3 * optimizer.o_b,
+            )
+        raise self._fail(
+            503,
+            f"the server is overloaded: adaptive batching expects this request to wait over {budget} ms "
+            "(CAPSERVE_MAX_LATENCY_MS); retry later",
+        )
 
 
 _BATCH_SIZE: list[Any] = []

@@ -1,9 +1,9 @@
 """Core shares: the workers of one CPU server lend each other their idle cores, without oversubscription.
 
 With N workers on C cores each worker owns C ÷ N of them (capserve.serving.workers). A lone request in one worker
-would then run on its share only while the other workers sit idle: on 2 cores, 2 workers answered one request at a
-time at 0.70 of 1 worker's rate (docs/deploy.md, "Workers"). So a worker may borrow the others' shares for a lone
-request, when none of them is running anything, and the cores are never oversubscribed:
+would then run on its share only while the other workers sit idle, slower than one worker with every core would
+answer it (docs/deploy.md, "Workers"). So a worker may borrow the others' shares for a lone request, when none of
+them is running anything, and the cores are never oversubscribed:
 
 - a worker holds a lock on its own share (one file per worker, ``flock``) while any inference of its own runs;
 - a lone request borrows only when no other worker has a request in progress (each worker publishes its count in
@@ -14,20 +14,26 @@ request, when none of them is running anything, and the cores are never oversubs
 
 Locks are ``flock``s on files in one folder per server (``CORES_FOLDER_VARIABLE``, made by the server process and
 inherited by its workers): the kernel drops them when a worker dies, so a crashed worker cannot hold cores.
-BentoML has no way to share cores between its workers; ``multiprocessing`` locks need a common parent that made
-them, and BentoML's workers are started by its process manager, so they are written here.
+
+BentoML 1.4.40 has no way to share cores between its workers, and ``multiprocessing`` locks need a common parent
+that made them, while BentoML's workers are started by its process manager (circus), so the locks are written
+here. To tell when BentoML offers it: a CPU-sharing option among ``@bentoml.service``'s ``resources``/``workers``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from capserve.runtime import Runtime, load_runtime
+from capserve.serving.batching import lone_request_options
+from capserve.serving.settings import Settings
 from capserve.serving.workers import Worker
 
 # the server process makes the folder and its workers inherit this variable (capserve.serving.process)
@@ -122,3 +128,44 @@ def core_shares(worker: Worker) -> CoreShares | None:
     if worker.count < 2 or worker.device != "cpu" or not folder:
         return None
     return CoreShares(Path(folder), worker.index, worker.count)
+
+
+def borrowing_runtime(runtime: Runtime, settings: Settings, worker: Worker) -> Runtime | None:
+    """The session a lone request runs on when its worker has borrowed the other workers' idle cores: the same ONNX
+    Runtime graph on every worker's threads together (so never more than the server's), spinning like the
+    lone-request session. None for other backends: torch's threads are set for the whole process, and TensorRT
+    serves on GPUs."""
+    if runtime.backend != "onnxruntime" or settings.device != "cpu":
+        return None
+    options = {**lone_request_options(settings), "threads": worker.threads * worker.count}
+    return load_runtime(runtime.path, "onnxruntime", settings.device, **options)
+
+
+class CoreLending:
+    """One worker's side of core lending, as the request logic uses it.
+
+    ``shares`` is its ``CoreShares`` (None with nothing to share: one worker, GPUs, a ``Capsules`` made outside a
+    server); ``wide`` maps each served model (keyed as in ``runtimes``) to its ``borrowing_runtime``, for models
+    that can borrow; ``threads`` is what a lone request may run on. ``requests(n)`` publishes the worker's requests
+    in progress, and ``running(wide)`` goes around each inference (see ``CoreShares.running``).
+    """
+
+    def __init__(self, worker: Worker, settings: Settings, runtimes: Mapping[bool, Runtime | None]):
+        self.shares = core_shares(worker)
+        self.wide: dict[bool, Runtime] = {}
+        for key, runtime in runtimes.items():
+            wide = borrowing_runtime(runtime, settings, worker) if self.shares and runtime else None
+            if wide is not None:
+                self.wide[key] = wide
+        self.threads = worker.threads * worker.count if self.wide else worker.threads
+
+    def requests(self, count: int) -> None:
+        """Tell the other workers how many requests this one has in progress: a lone request borrows their cores
+        only when none has any."""
+        if self.shares:
+            self.shares.requests(count)
+
+    def running(self, wide: bool = False) -> contextlib.AbstractContextManager[bool]:
+        """Around each inference: this worker's share of the cores (with ``wide``, every worker's when the others
+        are idle; yields whether it got them). Nothing to share: never wide."""
+        return self.shares.running(wide) if self.shares else contextlib.nullcontext(False)

@@ -18,7 +18,7 @@ from pydantic import WrapValidator
 
 from capserve.serving.asgi import rewrite_response
 from capserve.serving.openapi import contract_response
-from capserve.serving.routes import ARRAY_ROUTES, INPUT_SHAPES, OPEN_ROUTES
+from capserve.serving.routes import ARRAY_ROUTES, OPEN_ROUTES
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,14 @@ class RequestGuard:
     content. One declared as another type (``text/plain``, ``application/json``...) gets a 415. BentoML then receives
     the parameters as JSON, each image as a token for the bytes parsed here (``guarded_upload``), instead of parsing
     the form a second time and writing each upload to a temporary file for a ``Path`` parameter.
+
+    ``input_shapes`` maps each pixel-tensor route to its model's (C, H, W): the service's ``Capsules.input_shapes``,
+    in a mapping given here empty and filled once the models are loaded (BentoML builds its middleware before it
+    creates the service instance). A route without one takes any (C, H, W).
+
+    Works around BentoML 1.4.40, whose ``MultipartSerde`` (``_bentoml_impl.serde``) fetches a file field sent as
+    text as a URL (``ensure_file``) and writes each upload to a temporary file; fixed upstream when that class takes
+    neither step (watch ``ensure_file``).
     """
 
     def __init__(
@@ -56,7 +64,7 @@ class RequestGuard:
         parameters: Mapping[str, frozenset[str]] | None = None,
         api_keys: tuple[str, ...] = (),
         array_routes: Mapping[str, bool] = ARRAY_ROUTES,
-        input_shapes: Mapping[str, tuple[int, ...]] = INPUT_SHAPES,
+        input_shapes: Mapping[str, tuple[int, ...]] | None = None,
     ):
         self.app, self.max_bytes, self.file_fields, self.get_routes = app, max_bytes, dict(file_fields), get_routes
         self.unavailable = dict(unavailable or {})  # route → the 501 message (``unavailable_routes``)
@@ -64,8 +72,9 @@ class RequestGuard:
         # route → its API's parameter names (``route_parameters``): any other name is a 400, not silently ignored
         self.parameters = dict(parameters or {})
         self.api_keys = tuple(key.encode() for key in api_keys)  # empty: every route is open
-        # the pixel-tensor routes, and the (C, H, W) of their models once loaded (the same dict, filled later)
-        self.array_routes, self.input_shapes = array_routes, input_shapes
+        # the pixel-tensor routes, and the (C, H, W) of their models once loaded (the mapping given, filled later)
+        self.array_routes = array_routes
+        self.input_shapes = input_shapes if input_shapes is not None else {}
 
     @staticmethod
     def _body_once(body: bytes, then: Any = None) -> Any:
@@ -86,7 +95,7 @@ class RequestGuard:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        _request_error.set({})
+        _request_error.set({})  # remember_error's, for this request
         send = one_error_shape(scope, send)
         path = scope["path"].rstrip("/") or "/"
         if self.api_keys and path not in OPEN_ROUTES:
@@ -101,7 +110,9 @@ class RequestGuard:
             )
             return await self.app(scope, receive, document)
         if scope["method"] == "GET" and path in self.get_routes:
-            # BentoML APIs answer POST only; a GET on a parameterless API is the same call with an empty JSON body
+            # BentoML 1.4.40 routes every API as POST only (``ServiceAppFactory.__call__``'s ``methods=["POST"]``);
+            # a GET on a parameterless API is the same call with an empty JSON body. Fixed upstream once
+            # ``@bentoml.api`` takes HTTP methods
             headers = self._replace_headers(scope["headers"], "application/json", 2)
             scope, receive = {**scope, "method": "POST", "headers": headers}, self._body_once(b"{}", receive)
             return await self.app(scope, receive, send)
@@ -120,7 +131,9 @@ class RequestGuard:
         media = headers.get("content-type", "").split(";")[0].strip().lower()
         json_route = field is None and path in self.parameters and scope["method"] == "POST"
         if json_route and media not in ("application/json", ""):
-            # BentoML would parse a multipart body without a boundary (500) or a pickle (its own 415) here
+            # BentoML 1.4.40 would parse a multipart body without a boundary (500) or a pickle (its own 415) here;
+            # fixed upstream when tests/serving/test_contract.py's test_json_routes_refuse_other_content_types
+            # passes without this check
             return await self._reply(
                 send, 415, f"Content-Type {media!r} is not accepted by {path}; send Content-Type: application/json"
             )
@@ -140,8 +153,9 @@ class RequestGuard:
                 break
         body = b"".join(chunks)
         if json_route:
-            # checked here, before BentoML: a malformed tensor that reached its batcher failed every request batched
-            # with it (500), and so would one of another shape
+            # checked here, before BentoML: BentoML 1.4.40's batcher fails every request batched with a malformed
+            # tensor or one of another shape (500); fixed upstream when tests/serving/test_contract.py's
+            # test_malformed_pixels_amid_concurrent_good_ones_fail_alone passes without this check
             body, problem = self._checked_json(path, body)
             if problem:
                 return await self._reply(send, 400, problem)
@@ -407,15 +421,21 @@ def error_message(status: int, body: bytes) -> str:
     return message if isinstance(message, str) else json.dumps(message)
 
 
-# 5xx statuses that are a documented state of the server, not a fault: a route whose model it was started without.
-# Logged as a warning, like a client's mistake; ERROR (and a traceback) stays for what needs an operator.
-EXPECTED_SERVER_STATES = (501,)
+# 5xx statuses that are a documented state of the server, not a fault: a route whose model it was started without
+# (501), a request shed by adaptive batching under overload (503, "retry later"). Logged as a warning, like a
+# client's mistake; ERROR (and a traceback) stays for what needs an operator.
+EXPECTED_SERVER_STATES = (501, 503)
 
 
 def one_error_shape(scope: dict, send: Any) -> Any:
     """An ASGI send() that rewrites every error response to ``{"error": "..."}`` and logs it as one line
-    (method, path, status, reason); other responses pass through untouched. BentoML replaces the message of its
-    5xx responses with a generic one: a ``RequestError`` raised in this request (503, 501) leaves its own."""
+    (method, path, status, reason); other responses pass through untouched.
+
+    Works around BentoML 1.4.40's ``ServiceAppFactory.api_endpoint_wrapper`` (``_bentoml_impl.server.app``),
+    which answers a 4xx as a list ``[{"error": ...}]``, a validation error with ``detail``, and every 5xx with a
+    generic message: a ``RequestError`` raised in this request (503, 501) gets its own back (``remember_error``).
+    Fixed upstream when that function answers ``{"error": str(exc)}`` for every status (tests/serving's
+    ``test_501_says_how_to_fix`` then passes without the rewrite)."""
 
     def rewrite(held_start: dict, held_body: bytes) -> tuple[dict, dict]:
         status = held_start["status"]
@@ -436,9 +456,22 @@ def one_error_shape(scope: dict, send: Any) -> Any:
 _request_error: ContextVar[dict[str, str] | None] = ContextVar("capserve_request_error", default=None)
 
 
+def remember_error(message: str) -> None:
+    """Keep ``message`` as the reason of the current request's error answer, which BentoML replaces by a generic
+    one for a 5xx (``one_error_shape`` puts it back). Outside a request through ``RequestGuard``: nothing."""
+    known = _request_error.get()
+    if known is not None:
+        known["message"] = message
+
+
 class QuietClientErrors(logging.Filter):
     """Drops BentoML's "Exception on PATH" ERROR record (with traceback) for client errors (4xx, validation) and the
-    expected 501s: ``one_error_shape`` logs each of them as one line instead. Server errors keep their traceback."""
+    expected 501s and 503s: ``one_error_shape`` logs each of them as one line instead. Server errors keep their
+    traceback.
+
+    Works around BentoML 1.4.40's ``api_endpoint_wrapper``, which calls ``log_exception`` (ERROR, traceback) for
+    every exception, 4xx included; fixed upstream when tests/serving/test_service.py's
+    ``test_a_bad_request_logs_one_line`` passes without this filter."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None

@@ -3,8 +3,9 @@ routes really answer. Every route lists every status it can answer with the ``{"
 say their element type, range and shape, file fields say ``image/*``, answers have the schemas of
 ``capserve.serving.schemas`` (BentoML's inline copies drop ``null``), and API keys appear as a bearer scheme.
 
-BentoML writes OpenAPI 3.0 with JSON Schema 2020-12 pieces from pydantic (``type: null``, numeric
-``exclusiveMinimum``, ``type: file``) that 3.0 validators reject; ``openapi_3_0`` rewrites them."""
+BentoML 1.4.40 writes OpenAPI 3.0 with JSON Schema 2020-12 pieces from pydantic (``type: null``, numeric
+``exclusiveMinimum``, ``type: file``) that 3.0 validators reject; ``openapi_3_0`` rewrites them. Fixed upstream when
+its ``/docs.json`` validates as OpenAPI 3.0 as it is (tests/serving/test_contract.py's fuzzer loads it)."""
 
 from __future__ import annotations
 

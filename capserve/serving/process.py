@@ -1,5 +1,6 @@
-"""The server process's start-up rules: exit status 3 when a model cannot load (signalled from the worker to the
-server that spawned it), its own Prometheus folder, quiet 4xx logs, and the start-up heap frozen out of the GC."""
+"""The server process's start-up rules: the service module's import-time work (``setup_server``), exit status 3
+when a model cannot load (signalled from the worker to the server that spawned it), its own Prometheus folder,
+quiet 4xx logs, and the start-up heap frozen out of the GC."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import sys
 import tempfile
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from capserve.errors import ConfigurationError
 from capserve.serving.cores import CORES_FOLDER_VARIABLE
 from capserve.serving.guard import QuietClientErrors
-from capserve.serving.settings import Settings
-from capserve.serving.workers import worker_count
+from capserve.serving.routes import FILE_FIELDS, LIST_FIELDS, route_parameters, unavailable_routes
+from capserve.serving.settings import Settings, bento_environment
+from capserve.serving.workers import Worker, assign, current_index, worker_count
 
 # ---------------------------------------------------------------------------- the server process
 
@@ -35,15 +38,73 @@ SERVER_PID_VARIABLE = "CAPSERVE_SERVER_PID"  # set by the server process for its
 _failed_start = threading.Event()
 
 
-def prepare_server_process() -> None:
-    """Run at the service module's import, in the ``bentoml serve`` process and in its worker.
+@dataclass(frozen=True)
+class ServerSetup:
+    """What the service module reads once, at import (``setup_server``): its settings and its number of workers.
 
-    - A worker that cannot load its model signals the server process, which stops and exits with status 3
-      (BentoML would respawn the worker forever, or stop with status 0: orchestrators would see success).
+    ``input_shapes`` is the (C, H, W) of each pixel-tensor route's model, for ``RequestGuard`` (the same mapping,
+    ``guard_options``): the service's ``__init__`` fills it from ``Capsules.input_shapes``. BentoML takes the
+    middleware's options at import and builds it before it creates the service instance, so the guard cannot be
+    handed the instance itself."""
+
+    settings: Settings
+    workers: int
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def batchable(self) -> dict[str, Any]:
+        """The ``@bentoml.api`` arguments of the batchable APIs (``/logits``, ``/multilabel_logits``).
+
+        BentoML 1.4.40 refuses ``max_batch_size`` 1 for a batchable API (``_bentoml_sdk.method.APIMethod``'s
+        validator ``gt(1)``), which is how ``CAPSERVE_MAX_BATCH_SIZE=1`` turns batching off: 2 is passed instead.
+        Fixed upstream when that validator takes 1."""
+        settings = self.settings
+        return dict(
+            batchable=True, max_batch_size=max(settings.max_batch_size, 2), max_latency_ms=settings.max_latency_ms
+        )
+
+    def worker(self) -> Worker:
+        """This server process's share of the machine (its GPU or cores), for the service's ``__init__``."""
+        return assign(self.settings, current_index(), self.workers)
+
+    def guard_options(self, apis: Mapping[str, Any]) -> dict[str, Any]:
+        """``RequestGuard``'s options for a service with these BentoML ``apis`` (``Service.apis``)."""
+        settings = self.settings
+        return dict(
+            max_bytes=settings.max_bytes,
+            file_fields=FILE_FIELDS,
+            get_routes=("/model",),
+            unavailable=unavailable_routes(settings),
+            list_fields=LIST_FIELDS,
+            parameters=route_parameters(apis),
+            api_keys=settings.api_keys,
+            input_shapes=self.input_shapes,
+        )
+
+
+def setup_server(module_file: str) -> ServerSetup:
+    """The service module's import-time work, all of it, in the ``bentoml serve`` process and in each worker:
+    ``prepare_server_process``, then the settings (a built bento's ``envs`` as defaults that the environment
+    overrides, ``bento_environment``) and the number of workers. A bad setting stops the server with one line and
+    exit status 3. ``module_file``: the service module's ``__file__``."""
+    prepare_server_process()
+    settings = settings_or_exit({**bento_environment(module_file), **os.environ})
+    return ServerSetup(settings, workers_or_exit(settings))
+
+
+def prepare_server_process() -> None:
+    """Run at the service module's import (``setup_server``), in the ``bentoml serve`` process and in its worker.
+
+    - A worker that cannot load its model signals the server process, which stops and exits with status 3.
+      BentoML 1.4.40's process manager (circus) respawns the worker forever, or the server stops with status 0:
+      orchestrators would see success. Fixed upstream when ``CAPSERVE_EXIT_ON_FAILURE=0 bentoml serve`` of a
+      missing model exits non-zero by itself.
     - Each server gets a folder for its workers' core locks (capserve.serving.cores).
-    - Each server gets its own Prometheus folder: BentoML's default is one folder under BENTOML_HOME that
-      every ``bentoml serve`` empties at start, resetting the ``/metrics`` of servers already running.
-    - BentoML's ERROR-with-traceback for client errors is dropped (each is logged as one line instead).
+    - Each server gets its own Prometheus folder: BentoML 1.4.40's default is one folder under BENTOML_HOME that
+      every ``bentoml serve`` empties at start (``bentoml.serving.ensure_prometheus_dir``), resetting the
+      ``/metrics`` of servers already running. Fixed upstream when that folder is per server (tests/serving's
+      ``test_a_second_server_keeps_the_first_ones_metrics_and_answers_501_and_503`` then passes without this).
+    - BentoML's ERROR-with-traceback for client errors is dropped (``QuietClientErrors``).
     - Without a tracing exporter, requests skip OpenTelemetry (``untraced_without_exporter``).
     """
     logging.getLogger("bentoml._internal.server.http_app").addFilter(QuietClientErrors())
@@ -70,8 +131,8 @@ def prepare_server_process() -> None:
 def freeze_startup_heap() -> None:
     """Exempt every object the server process holds once it has started (libraries, models, warm-up) from Python's
     cyclic garbage collector (``gc.freeze``). Its full collections otherwise walk those long-lived objects over and
-    over under load: 14 % of the event loop's CPU per ``/multilabel`` request (docs/benchmarks.md).
-    Called by the service once its models are loaded; requests' own objects are collected as before."""
+    over under load, a share of the event loop's CPU per request (docs/benchmarks.md, "HTTP request path").
+    Called by the service once its models are loaded; requests' own objects are still collected."""
     gc.collect()
     gc.freeze()
 
@@ -80,9 +141,11 @@ def untraced_without_exporter() -> bool:
     """When BentoML's configuration names no tracing exporter (``tracing.exporter_type``) and no
     ``tracing.excluded_urls``, exclude every URL from its OpenTelemetry middleware: True when it did.
 
-    BentoML runs every request through that middleware (a server span, and a span per receive and per send) even
-    when no exporter is configured and nothing can be recorded; that was about 40 % of the event loop's work per
-    image request (docs/benchmarks.md). With an exporter configured, requests are traced as before.
+    BentoML 1.4.40 runs every request through that middleware (a server span, and a span per receive and per send;
+    ``ServiceAppFactory.middlewares`` in ``_bentoml_impl.server.app``) even when no exporter is configured and
+    nothing can be recorded, a large share of the event loop's work per image request (docs/benchmarks.md). Fixed
+    upstream when that property adds the middleware only with an exporter. With an exporter configured, requests
+    are traced.
     """
     try:
         from bentoml._internal.configuration.containers import BentoMLContainer
@@ -98,7 +161,9 @@ def untraced_without_exporter() -> bool:
 
 def settings_or_exit(env: Mapping[str, str] | None = None) -> Settings:
     """``Settings.from_env()`` for the service module's import: a bad setting stops the server with one line
-    and exit status 3 (not a traceback and status 1), as a model that cannot load does."""
+    and exit status 3, as a model that cannot load does, where BentoML 1.4.40 turns an exception at the service's
+    import into a traceback and status 1. To tell when upstream says it in one line: let the error raise and run
+    tests/serving/test_service.py's ``test_bad_setting_fails_startup_without_a_traceback``."""
     try:
         return Settings.from_env(env)
     except ConfigurationError as e:
@@ -142,7 +207,11 @@ def report_failed_start() -> bool:
 
 
 def leave_failed_worker() -> None:
-    """End a worker whose server ``report_failed_start`` signalled, with the logs flushed and nothing more said."""
+    """End a worker whose server ``report_failed_start`` signalled, with the logs flushed and nothing more said.
+
+    BentoML 1.4.40 logs an exception raised in the service's ``__init__`` (``ServiceAppFactory.create_instance``,
+    run in the ASGI lifespan) with two tracebacks, after ``Capsules`` has said it in one line; fixed upstream when
+    such a start with ``CAPSERVE_EXIT_ON_FAILURE=0`` logs at most one."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

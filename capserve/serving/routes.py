@@ -23,8 +23,10 @@ MULTILABEL_ROUTES = ("/multilabel", "/multilabel_logits")
 def unavailable_routes(settings: Settings) -> dict[str, str]:
     """Routes this server answers with 501 before BentoML sees them, each with its how-to-fix message.
 
-    The batchable ``/multilabel_logits`` runs in BentoML's batching task, outside the request, and BentoML replaces
-    the message of a 5xx raised there with a generic one; answered here, the message reaches the client."""
+    The batchable ``/multilabel_logits`` runs in BentoML's batching task, outside the request, and BentoML 1.4.40
+    replaces the message of a 5xx raised there with a generic one (``api_endpoint_wrapper``); answered here, the
+    message reaches the client. Fixed upstream when a batchable API's 5xx keeps its message
+    (tests/serving/test_service_paths.py's ``test_501_says_how_to_fix`` without this table)."""
     if settings.multilabel_model.strip().lower() == "none":
         return dict.fromkeys(MULTILABEL_ROUTES, NO_MULTILABEL_MODEL)
     return {}
@@ -42,12 +44,6 @@ LIST_FIELDS = frozenset({"images"})  # file fields that take a list of images (t
 
 
 ARRAY_ROUTES = {"/logits": False, "/multilabel_logits": True}  # the pixel-tensor routes → multilabel
-
-
-# route → the (C, H, W) its model takes, filled in by ``Capsules`` once the models are loaded (in the worker process
-# that also runs ``RequestGuard``): pixel tensors are checked against it before they reach the batcher, and the
-# OpenAPI document states it
-INPUT_SHAPES: dict[str, tuple[int, ...]] = {}
 
 
 OPEN_ROUTES = ("/livez", "/readyz", "/metrics")  # answered without an API key: probes and Prometheus scrapes

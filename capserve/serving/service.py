@@ -8,7 +8,6 @@ meant to be imported by ``bentoml serve``, not by library code."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,41 +16,47 @@ import numpy as np
 from bentoml.validators import ContentType
 from pydantic import Field
 
-from capserve import serving
-from capserve.serving import Classification, Explained, MultiLabel
-from capserve.serving.settings import bento_environment
+from capserve.serving import (
+    GUARDED_UPLOAD,
+    Capsules,
+    Classification,
+    Explained,
+    MultiLabel,
+    RequestGuard,
+    freeze_startup_heap,
+    setup_server,
+)
 
-# a file upload in the API (OpenAPI, clients); served as the bytes RequestGuard parsed (serving.guarded_upload)
-ImageFile = Annotated[Path, ContentType("image/*"), serving.GUARDED_UPLOAD]
-serving.prepare_server_process()  # exit status 3 when the model cannot load, own /metrics folder, quiet 4xx logs
-# read at import (the batching limits go into the API decorators); inside a built bento, its envs are the defaults
-SETTINGS = serving.settings_or_exit({**bento_environment(__file__), **os.environ})
-WORKERS = serving.workers_or_exit(SETTINGS)  # CAPSERVE_WORKERS: server processes, each with its share (serving.workers)
-BATCH = dict(batchable=True, max_batch_size=max(SETTINGS.max_batch_size, 2), max_latency_ms=SETTINGS.max_latency_ms)
+# BentoML takes a service's workers, batching limits and access log from its decorators' arguments, which run when
+# `bentoml serve` imports this module: so the settings are read here, once, at import (a bad one: exit status 3)
+SERVER = setup_server(__file__)
+
+# a file upload in the API (OpenAPI, clients); served as the bytes RequestGuard parsed (guard.guarded_upload)
+ImageFile = Annotated[Path, ContentType("image/*"), GUARDED_UPLOAD]
 
 
 @bentoml.service(
     name="capserve",
     traffic={"timeout": 60},
-    workers=WORKERS,
+    workers=SERVER.workers,
     metrics={"enabled": True},
-    logging={"access": {"enabled": SETTINGS.access_log}},
+    logging={"access": {"enabled": SERVER.settings.access_log}},
 )
 class CapsuleService:
     def __init__(self) -> None:
-        worker = serving.assign(SETTINGS, serving.current_index(), WORKERS)  # this process's GPU or cores
-        self.capsules = serving.Capsules(SETTINGS, worker=worker)  # loads, warms up; a failure: exit status 3
-        serving.freeze_startup_heap()  # the garbage collector then skips what start-up left (libraries, models)
+        self.capsules = Capsules(SERVER.settings, worker=SERVER.worker())  # loads, warms up; a failure: exit status 3
+        SERVER.input_shapes.update(self.capsules.input_shapes)  # what RequestGuard checks pixel tensors against
+        freeze_startup_heap()  # the garbage collector then skips what start-up left (libraries, models)
 
     def __is_ready__(self) -> bool:
         return self.capsules.ready
 
-    @bentoml.api(**BATCH)
+    @bentoml.api(**SERVER.batchable)
     async def logits(self, images: np.ndarray) -> np.ndarray:
         """Logits (B, classes) of the single-label model for uint8 pixels (B, C, H, W) in its input size."""
         return await self.capsules.logits(images)
 
-    @bentoml.api(**BATCH)
+    @bentoml.api(**SERVER.batchable)
     async def multilabel_logits(self, images: np.ndarray) -> np.ndarray:
         """Logits (B, classes) of the multi-label model for uint8 pixels (B, C, H, W) in its input size."""
         return await self.capsules.logits(images, multilabel=True)
@@ -86,13 +91,4 @@ class CapsuleService:
         return self.capsules.describe()
 
 
-CapsuleService.add_asgi_middleware(
-    serving.RequestGuard,
-    max_bytes=SETTINGS.max_bytes,
-    file_fields=serving.FILE_FIELDS,
-    get_routes=("/model",),
-    unavailable=serving.unavailable_routes(SETTINGS),
-    list_fields=serving.LIST_FIELDS,
-    parameters=serving.route_parameters(CapsuleService.apis),
-    api_keys=SETTINGS.api_keys,
-)
+CapsuleService.add_asgi_middleware(RequestGuard, **SERVER.guard_options(CapsuleService.apis))

@@ -9,10 +9,8 @@ from pathlib import Path
 
 from capserve.data.images import DEFAULT_MAX_PIXELS
 from capserve.errors import ConfigurationError
-from capserve.runtime.precision import MIN_AGREEMENT, PRECISIONS
-
-BACKENDS = ("onnxruntime", "torch", "tensorrt")
-
+from capserve.runtime import BACKENDS
+from capserve.runtime.precision import BF16_MIN_AGREEMENT, PRECISIONS
 
 # CAPSERVE_WORKERS's default: "auto" (capserve.serving.workers.worker_count; on a CPU up to MAX_AUTO_CPU_WORKERS);
 # docs/deploy.md ("Workers") has what was measured
@@ -45,7 +43,7 @@ class Settings:
     device: str = "cpu"  # cpu | cuda | cuda:N
     iterations: int | None = None  # torch backend only: routing iterations (ONNX/TensorRT fix T at export)
     precision: str = "auto"  # fp32 | bf16 (torch backend) | auto: bf16 where the CPU has native bf16 and torch serves
-    bf16_min_agreement: float = MIN_AGREEMENT  # bf16 start-up check: least agreement with fp32, else fp32 is served
+    bf16_min_agreement: float = BF16_MIN_AGREEMENT  # bf16 start-up check: least agreement with fp32, else fp32
     max_batch_size: int = 32  # adaptive batching: largest merged batch; 1 turns batching off
     max_latency_ms: int = 10_000  # adaptive batching: a request expected to wait longer is shed with a 503
     max_bytes: int = 8 * 2**20  # request body limit (413 above it)
@@ -53,7 +51,7 @@ class Settings:
     max_images: int = 64  # images in one /classify_batch request
     workers: int | None = DEFAULT_WORKERS  # server processes (capserve.serving.workers); None: "auto"
     threads: int | None = None  # intra-op threads per worker; None: the worker's share of the cores
-    access_log: bool = False  # BentoML's access log line per request (~0.6 ms of the event loop each: off)
+    access_log: bool = False  # BentoML's access log line per request (it costs the event loop: off)
     # the keys a caller may send as ``Authorization: Bearer KEY``; empty: the server is open (repr=False: never logged)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
 
@@ -120,9 +118,10 @@ def bento_environment(module_file: str | Path) -> dict[str, str]:
     """The ``envs`` of the bento whose source holds ``module_file`` (``BENTO/src/capserve/serving/service.py`` →
     ``BENTO/bento.yaml``); {} outside a bento.
 
-    A container built from the bento sets them (Dockerfile ENV), but ``bentoml serve NAME:VERSION`` on a machine
-    does not: the service then looked for ``models/cifar10`` and stopped. The service takes them as defaults that
-    the real environment overrides."""
+    A container built from the bento sets them (Dockerfile ENV), but BentoML 1.4.40's ``bentoml serve
+    NAME:VERSION`` on a machine does not, and the service would look for ``models/cifar10`` and stop. The service
+    takes them as defaults that the real environment overrides. Fixed upstream when ``bentoml serve`` of a built
+    bento sets its ``envs`` (tests/serving/test_service.py's ``test_bentoml_build`` then passes without this)."""
     for folder in Path(module_file).resolve().parents:
         if folder.name == "src" and (folder.parent / "bento.yaml").is_file():
             import yaml  # a dependency of BentoML, which wrote the file

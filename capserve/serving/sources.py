@@ -84,7 +84,7 @@ def open_model(spec: str, settings: Settings, explain: bool = True) -> tuple[Run
             if settings.threads and settings.device == "cpu":
                 import torch
 
-                torch.set_num_threads(settings.threads)  # the worker's share of the cores (serving.workers)
+                torch.set_num_threads(settings.threads)  # the worker's share of the cores (capserve.serving.workers)
             runtime, _ = open_torch(
                 path, settings.device, settings.iterations, settings.precision, settings.bf16_min_agreement
             )

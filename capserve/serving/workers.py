@@ -18,10 +18,9 @@ from capserve.errors import ConfigurationError
 from capserve.serving.settings import Settings
 
 # What CAPSERVE_WORKERS=auto (the default) starts on a CPU: one worker per CORES_PER_CPU_WORKER cores, at most
-# MAX_AUTO_CPU_WORKERS. Measured with `benchmarks/bench_http.py --table-only` on a 2-core VM (docs/deploy.md,
-# "Workers"): 2 workers, lending each other idle cores (capserve.serving.cores), were level with 1 at concurrency 1
-# and ahead at 32 and 128. More workers than that were not measured, and each costs its own models and libraries
-# (~480 MiB resident): set CAPSERVE_WORKERS to a number on larger nodes.
+# MAX_AUTO_CPU_WORKERS, the most that `benchmarks/bench_http.py --table-only` has measured ahead of one worker
+# (docs/deploy.md, "Workers"; the workers lend each other idle cores, capserve.serving.cores). Each worker holds its
+# own models and libraries, so on larger nodes CAPSERVE_WORKERS is set to a number.
 CORES_PER_CPU_WORKER = 1
 MAX_AUTO_CPU_WORKERS = 2
 
@@ -119,7 +118,7 @@ def assign(settings: Settings, index: int, count: int, cores: int | None = None)
     if not 0 <= index < count:
         raise ValueError(f"worker index {index} is not in 0..{count - 1}")
     device = settings.device
-    if device == "cuda" and count > 1:  # one worker keeps "cuda", the current device, as before
+    if device == "cuda" and count > 1:  # one worker keeps "cuda": the current device
         device = f"cuda:{index % max(1, visible_gpus())}"
     cores = available_cores() if cores is None else cores
     threads = settings.threads or max(1, cores // count)
@@ -127,7 +126,11 @@ def assign(settings: Settings, index: int, count: int, cores: int | None = None)
 
 
 def current_index() -> int:
-    """This process's worker index from 0: BentoML numbers its workers from 1 (0 outside a BentoML worker)."""
+    """This process's worker index from 0 (0 outside a BentoML worker).
+
+    BentoML 1.4.40 has no public worker index: this reads ``bentoml._internal.context.server_context.worker_index``,
+    which numbers workers from 1 (None outside a worker). tests/serving/test_workers.py's
+    ``test_two_workers_answer_split_the_cores_and_share_metrics`` fails when that changes."""
     from bentoml._internal.context import server_context
 
     return (server_context.worker_index or 1) - 1

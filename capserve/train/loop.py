@@ -1,31 +1,9 @@
-"""``capserve train``: the authors' recipe by default, shorter schedules, mixed precision, DDP through torchrun.
+"""The training loop: a run folder from a ``TrainConfig`` (``train``), one epoch at a time, resumable exactly.
 
-Defaults reproduce Tsai et al. (2020): SGD lr 0.1, momentum 0.9, weight decay 5e-4, batch 128, 350 epochs, lr ×0.1
-at epochs 150 and 250 (``--schedule step``; with other ``--epochs`` the milestones stay at 3/7 and 5/7 of the run),
-cross-entropy for single-label data, BCE-with-logits and exact-match accuracy for DiverseMultiMNIST.
-``--optimizer adam`` (lr 1e-3 unless ``--lr`` is given) is the optimizer of the dynamic-routing paper (Sabour et al.
-2017: Adam with TensorFlow's defaults) and of the EM reproductions, and what the docs' short EM and dynamic-routing
-runs use.
-
-Unlike the authors (who kept the best *test* epoch), the best epoch is chosen on a validation split carved from the
-training set (``--val-size``, fixed seed); the test set is evaluated once, at the end, on the best checkpoint.
-
-Output folder: ``last/`` (every epoch: model + ``optimizer.safetensors`` + ``trainer.json``; ``--resume`` continues
-from it exactly), ``best/`` (a plain model directory for ``capserve.load``), ``metrics.jsonl`` (one line per epoch),
-``curves.png`` and ``summary.json``.
-
-Schedules: ``step`` (above), ``cosine`` (to 0), ``onecycle`` (linear warm-up from lr/25 over the first 15 %, then
-cosine to 0). With ``--time-budget`` the cosine and one-cycle schedules run on max(step progress, wall-clock progress),
-so the lr reaches 0 when the budget ends whatever the speed of the machine; the run then stops cleanly and keeps its
-best checkpoint. Such a run depends on timing, so only runs without a time budget resume bit-exactly.
-
-Your own images (``--data`` a folder of label folders or a CSV manifest, see ``capserve.data.own``): the model's labels,
-task and input size (``--image-size``) come from the data; images are decoded once into a cache in the run folder;
-validation is the data's ``val`` split or ``--val-size`` (default 10 %) carved from train; multi-label runs calibrate
-per-class thresholds on validation at the end. ``--init MODEL_DIR`` fine-tunes from a trained model.
-
-Multi-GPU / multi-node: ``torchrun --nproc_per_node N -m capserve.cli train ...``. ``--batch-size`` is the global
-batch; each of the N processes takes its slice of the same seeded order (NCCL on GPUs, gloo on CPUs).
+The best epoch is chosen on a validation split carved from the training set, never on the test set, which is
+evaluated once at the end on ``best/``. A run folder holds ``last/`` (model, optimizer and trainer state: what
+``--resume`` continues from), ``best/`` (a plain model directory), ``metrics.jsonl``, ``curves.png`` and
+``summary.json``. The recipe's defaults live in ``capserve.train.config``; docs/training.md is the manual.
 """
 
 from __future__ import annotations
@@ -43,8 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from capserve.configs import ModelConfig, get_config
 from capserve.data.augment import apply_augment, augment_reason, default_augment
@@ -60,18 +36,20 @@ from capserve.data.own import (
     scan,
     with_validation,
 )
-from capserve.data.preprocess import normalize
+from capserve.data.preprocess import data_mean_std, normalize
+from capserve.data.progress import progress_bar
 from capserve.data.splits import Split
+from capserve.evaluate.evaluator import predict_logits, store_thresholds
+from capserve.evaluate.metrics import fit_thresholds
+from capserve.evaluate.plots import plot_curves
 from capserve.model.checkpoint import CONFIG, NOT_LEARNED, save_model
-from capserve.model.factory import Model
-from capserve.model.factory import build_model as model_from_config
+from capserve.model.factory import Model, build_model
 from capserve.model.factory import load as load_model
-from capserve.plots import plot_curves
 from capserve.routing.losses import training_loss
 from capserve.runtime.outputs import multi_label_decisions
 from capserve.train.config import AMP, DEFAULT_LR, DEFAULT_VAL_SIZE, TrainConfig, lr_factor, resolve_recipe
 from capserve.train.distributed import Dist, setup_distributed
-from capserve.train.state import _load_state, _provenance, _save_state, init_from
+from capserve.train.state import init_from, load_state, provenance, save_state
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +161,7 @@ def val_size_of(cfg: TrainConfig, own: bool) -> int | float:
     return cfg.val_size if cfg.val_size is not None else DEFAULT_VAL_SIZE["own" if own else "builtin"]
 
 
-def build_model(cfg: TrainConfig, manifest: Manifest | None = None) -> Model:
+def model_to_train(cfg: TrainConfig, manifest: Manifest | None = None) -> Model:
     """The model to train: the named config, with the labels, task and input size of a user's data if given."""
     config = get_config(cfg.model, **cfg.overrides)
     val_size = val_size_of(cfg, manifest is not None)
@@ -206,7 +184,7 @@ def build_model(cfg: TrainConfig, manifest: Manifest | None = None) -> Model:
     torch.manual_seed(cfg.seed)
     # served answers and exports carry the run's name: two fine-tunes of one config can be told apart
     name = cfg.name or Path(cfg.out).name
-    return model_from_config(dataclasses.replace(config, extra={**config.extra, "data": data, "name": name}))
+    return build_model(dataclasses.replace(config, extra={**config.extra, "data": data, "name": name}))
 
 
 def load_own_training(
@@ -290,7 +268,7 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
     cfg = resolve_recipe(cfg, own_data=manifest is not None)  # recorded in train_config.json as resolved
     if cfg.batch_size % d.world:
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes {d.world}")
-    model = build_model(cfg, manifest)
+    model = model_to_train(cfg, manifest)
     dataset = model.config.extra["data"]["dataset"]
     init = init_from(model, cfg.init, cfg.label_map) if cfg.init and resume is None else None
     if d.main:
@@ -346,7 +324,7 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
     state: dict[str, Any] = {"epoch": 0, "batch": 0, "step": 0, "elapsed": 0.0, "best_acc": None, "best_epoch": None}
     if resume is not None:
         last = Path(resume) if (Path(resume) / "trainer.json").is_file() else Path(resume) / "last"
-        state = _load_state(last, model, opt, scaler, device)
+        state = load_state(last, model, opt, scaler, device)
         log.info("resumed from %s at epoch %d, step %d", last, state["epoch"] + 1, state["step"])
     run = Run(
         cfg,
@@ -378,20 +356,6 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
             sum(p.numel() for p in model.parameters()),
         )
     return run
-
-
-def data_mean_std(images: Tensor, chunk: int = 4096) -> dict[str, tuple[float, ...]]:
-    """Per-channel mean and std of uint8 images (N, C, H, W) on the 0..1 scale, rounded to 4 digits (the std at
-    least 1/255, so that a constant channel does not divide by zero); summed in float64 one chunk at a time."""
-    C = images.shape[1]
-    sums = torch.zeros(2, C, dtype=torch.float64)
-    for start in range(0, len(images), chunk):
-        x = images[start : start + chunk].to("cpu", torch.float64) / 255  # (n, C, H, W)
-        sums += torch.stack([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3))])
-    n = max(images.numel() // max(C, 1), 1)
-    mean = sums[0] / n
-    std = (sums[1] / n - mean**2).clamp_min(0).sqrt().clamp_min(1 / 255)
-    return {"mean": tuple(round(v, 4) for v in mean.tolist()), "std": tuple(round(v, 4) for v in std.tolist())}
 
 
 def augment(run: Run, x: Tensor, epoch: int, batch: int) -> Tensor:
@@ -442,17 +406,8 @@ def train_epoch(run: Run) -> tuple[dict[str, Any], bool]:
     run.net.train()
     if cfg.freeze == "backbone":  # its BatchNorm keeps the --init model's statistics
         run.model.backbone.eval()
-    bar = tqdm(
-        total=steps,
-        initial=state["batch"],
-        desc=f"epoch {epoch + 1}/{cfg.epochs}",
-        unit="step",
-        disable=not d.main,
-        leave=False,
-        dynamic_ncols=True,
-        mininterval=0.5,
-    )
-    with logging_redirect_tqdm(), bar:
+    desc = f"epoch {epoch + 1}/{cfg.epochs}"
+    with progress_bar(steps, desc, unit="step", initial=state["batch"], disable=not d.main, leave=False) as bar:
         for b in range(state["batch"], steps):
             lo = b * cfg.batch_size + d.rank * local
             x, y = augment(run, ep.images[lo : lo + local], epoch, b), ep.targets[lo : lo + local]
@@ -520,9 +475,9 @@ def end_epoch(run: Run, record: dict[str, Any]) -> None:
             save_model(
                 run.model,
                 run.out / "best",
-                extra={"training": _provenance(cfg, state), "metrics": {"val_acc": record.get("val_acc")}},
+                extra={"training": provenance(cfg, state), "metrics": {"val_acc": record.get("val_acc")}},
             )
-        _save_state(run.out / "last", run.model, run.opt, run.scaler, state, cfg)
+        save_state(run.out / "last", run.model, run.opt, run.scaler, state, cfg)
     if d.enabled:
         dist.barrier()
 
@@ -654,7 +609,6 @@ def mark_not_learned(best_dir: Path, best: float, prior: float) -> None:
 
 def calibrate_best(best_dir: Path, val: Split, batch_size: int, device: torch.device) -> list[float]:
     """Multi-label: per-class thresholds fitted on the validation split, stored in ``best_dir``'s config."""
-    from capserve.evaluate import fit_thresholds, predict_logits, store_thresholds
 
     best = load_model(best_dir, device)
     thresholds = fit_thresholds(predict_logits(best, val, None, batch_size, device), val.targets.cpu())

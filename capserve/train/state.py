@@ -22,12 +22,12 @@ from capserve.train.config import TrainConfig
 log = logging.getLogger(__name__)
 
 
-def _save_state(
+def save_state(
     directory: Path, model: Model, opt: torch.optim.Optimizer, scaler: Any, state: dict, cfg: TrainConfig
 ) -> None:
     """``last/``: model dir + optimizer tensors (safetensors) + everything else as JSON. No pickle."""
     tmp = directory.with_name(directory.name + ".tmp")
-    save_model(model, tmp, extra={"training": _provenance(cfg, state)})
+    save_model(model, tmp, extra={"training": provenance(cfg, state)})
     tensors: dict[str, Tensor] = {}
     meta: dict[str, Any] = {}
     sd = opt.state_dict()
@@ -57,7 +57,7 @@ def _save_state(
     tmp.rename(directory)
 
 
-def _load_state(directory: Path, model: Model, opt: torch.optim.Optimizer, scaler: Any, device: torch.device) -> dict:
+def load_state(directory: Path, model: Model, opt: torch.optim.Optimizer, scaler: Any, device: torch.device) -> dict:
     trainer = json.loads((directory / "trainer.json").read_text())
     weights = load_model(directory, device)
     model.load_state_dict(weights.state_dict())
@@ -80,7 +80,7 @@ def _load_state(directory: Path, model: Model, opt: torch.optim.Optimizer, scale
     return trainer["state"]
 
 
-def _provenance(cfg: TrainConfig, state: dict) -> dict:
+def provenance(cfg: TrainConfig, state: dict) -> dict:
     return {
         "recipe": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("data", "out", "device")},
         "epoch": state["epoch"],

@@ -211,7 +211,7 @@ def test_a_warning_during_a_progress_bar_prints_on_its_own_line():
 
     script = """
 import logging
-from capserve.data import progress_bar
+from capserve.data.progress import progress_bar
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")  # as the CLI does
 with progress_bar(10, "scoring") as bar:
     bar.update(5)

@@ -20,11 +20,12 @@ from support.models import tiny_overrides
 from support.server import start_server, stop, wait_ready
 
 import capserve
-from capserve import evaluate as evaluate_module
+import capserve.data.splits
 from capserve.cli import main
 from capserve.data.images import load_image, preprocess
 from capserve.data.own import CACHE_FILE, InputSize, Sample, build_cache, carve, scan
 from capserve.errors import DataError
+from capserve.evaluate import evaluator as evaluate_module
 from capserve.routing import fused as kernel
 from capserve.runtime.metadata import ModelMetadata
 from capserve.train.config import TrainConfig
@@ -192,8 +193,8 @@ def test_stratified_carve_is_seeded_and_keeps_every_label():
     tiny = [Sample(Path(c), (c,), "") for c in "abc"] + [Sample(Path("a2"), ("a",), "")]
     with pytest.raises(DataError, match="without a training image"):
         carve(tiny, 2, stratified=True)  # only one a can go: b and c have a single image each
-    assert capserve.data.resolve_val_size(0.1, 100) == 10 and capserve.data.resolve_val_size(7, 100) == 7
-    assert capserve.data.parse_val_size("10%") == 0.1 and capserve.data.parse_val_size("500") == 500
+    assert capserve.data.splits.resolve_val_size(0.1, 100) == 10 and capserve.data.splits.resolve_val_size(7, 100) == 7
+    assert capserve.data.splits.parse_val_size("10%") == 0.1 and capserve.data.splits.parse_val_size("500") == 500
 
 
 @pytest.mark.parametrize(

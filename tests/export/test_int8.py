@@ -27,14 +27,9 @@ from capserve.cli import main
 from capserve.configs import ModelConfig
 from capserve.data.preprocess import normalize_images
 from capserve.errors import ExportError, Int8GateError
-from capserve.export.int8 import (
-    INT8_KEY,
-    MIN_AGREEMENT,
-    export_int8,
-    read_calibration,
-    read_summary,
-    search_float_nodes,
-)
+from capserve.export.calibration import read_calibration
+from capserve.export.gate import INT8_MIN_AGREEMENT as MIN_AGREEMENT
+from capserve.export.int8 import INT8_KEY, export_int8, read_summary, search_float_nodes
 from capserve.runtime import load_runtime
 
 ROOT = Path(__file__).resolve().parents[2]

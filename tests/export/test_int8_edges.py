@@ -24,7 +24,11 @@ from capserve.cli import main
 from capserve.configs import ModelConfig
 from capserve.data.preprocess import normalize_images
 from capserve.errors import Int8GateError
-from capserve.export.int8 import MIN_AGREEMENT, diagnose, export_int8, read_calibration, read_summary, score
+from capserve.export.calibration import read_calibration
+from capserve.export.gate import INT8_MIN_AGREEMENT as MIN_AGREEMENT
+from capserve.export.gate import diagnose, score
+from capserve.export.int8 import export_int8, read_summary
+from capserve.runtime.base import Runtime
 from capserve.runtime.metadata import ModelMetadata
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,13 +117,17 @@ def test_the_export_of_a_folder_with_val_and_test_records_the_test_split(int8_fi
 # ------------------------------------------------------------------------------------------ the bound
 
 
-class Table:
-    """A runtime whose logits are looked up by image: image i (pixel [0, 0, 0] = i) gets row i of ``logits``."""
+class Table(Runtime):
+    """A runtime whose logits are looked up by image: image i (pixel [0, 0, 0] = i) gets row i of ``logits``; the
+    base class checks each batch as it does for the real backends."""
+
+    backend = "table"
+    providers = ("CPUExecutionProvider",)
 
     def __init__(self, logits: np.ndarray, metadata: ModelMetadata):
         self.logits, self.metadata = logits, metadata
 
-    def predict(self, images: np.ndarray) -> np.ndarray:
+    def _predict(self, images: np.ndarray) -> np.ndarray:
         return self.logits[images[:, 0, 0, 0].astype(int)]
 
 

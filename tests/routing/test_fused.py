@@ -1,4 +1,5 @@
-"""The fused attention step (``fused_block`` under ``torch.compile``) gives the numbers of the eager step.
+"""The fused attention step (``fused_block`` under ``torch.compile``) gives the numbers of ``reference_step`` and of
+the eager step.
 
 Plain CPU inference sends the full blocks of a big step (``FUSED_MIN_VOTES``) with at least
 ``FUSED_MIN_PARENTS`` parents through one compiled kernel, and the rows left over through the eager blocks. Each
@@ -12,13 +13,13 @@ import shutil
 
 import pytest
 import torch
-from support.models import layer_norm, tiny_input, tiny_model, unblocked_step
+from support.models import layer_norm, tiny_input, tiny_model
 
 import capserve
-from capserve.evaluate import FUSED_MIN_IMAGE_RUNS, predict_batches
+from capserve.evaluate.evaluator import FUSED_MIN_IMAGE_RUNS, predict_batches
 from capserve.routing import fused as kernel
-from capserve.routing.attention import routing_step
-from capserve.routing.fused import FUSED_MIN_PARENTS, _fused
+from capserve.routing.attention import reference_step, routing_step
+from capserve.routing.fused import FUSED_MIN_PARENTS, _fused, fused_block
 
 needs_compiler = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="torch.compile needs a C++ compiler on CPU"
@@ -54,13 +55,13 @@ def random_step(B=2, P=5, N=6, J=32, D=16, X=4, dtype=torch.float64, requires_gr
 @needs_compiler
 @pytest.mark.parametrize("D, X", [(16, 4), (36, 6), (8, 8)])  # 4×4 and 6×6 matrices, 8-d vectors
 @pytest.mark.parametrize("rows_per_block", [2, 3, 10])  # B·P = 10 rows: blocks that divide them, and that do not
-def test_fused_blocks_give_the_unblocked_step(fused, monkeypatch, D, X, rows_per_block):
+def test_fused_blocks_give_the_reference_step(fused, monkeypatch, D, X, rows_per_block):
     children, weight, parents = random_step(D=D, X=X)
     N, J = weight.shape[:2]
     monkeypatch.setattr(kernel, "FUSED_BLOCK_BYTES", rows_per_block * N * J * 8)
     with torch.no_grad():
         got, _ = routing_step(children, weight, parents, layer_norm)
-    torch.testing.assert_close(got, unblocked_step(children, weight, parents, layer_norm)[0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(got, reference_step(children, weight, parents, layer_norm)[0], rtol=0, atol=1e-10)
     fused_rows = 10 - 10 % rows_per_block
     assert [shape[0] for shape, ran in fused] == [rows_per_block] * (fused_rows // rows_per_block)
     assert all(ran for _, ran in fused)
@@ -129,7 +130,7 @@ def test_more_shapes_than_dynamos_recompile_limit_all_fuse(fused, monkeypatch):
         monkeypatch.setattr(kernel, "FUSED_BLOCK_BYTES", rows_per_block * 2 * 32 * 8)
         with torch.no_grad():
             got, _ = routing_step(children, weight, parents, layer_norm)
-        torch.testing.assert_close(got, unblocked_step(children, weight, parents, layer_norm)[0], rtol=0, atol=1e-10)
+        torch.testing.assert_close(got, reference_step(children, weight, parents, layer_norm)[0], rtol=0, atol=1e-10)
     assert len(kernel._FUSED_KERNELS) == 10 and all(ran for _, ran in fused)
     assert not kernel._FUSED_STATE["failed"]
 
@@ -148,7 +149,7 @@ def test_a_failed_compile_warns_once_and_routes_eagerly(fused, monkeypatch, capl
     monkeypatch.setattr(torch, "compile", no_compiler)
     monkeypatch.setattr(kernel, "FUSED_BLOCK_BYTES", 2 * 6 * 32 * 8)
     children, weight, parents = random_step()
-    expected = unblocked_step(children, weight, parents, layer_norm)[0]
+    expected = reference_step(children, weight, parents, layer_norm)[0]
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="capserve.routing"):
         for _ in range(2):
             got, _ = routing_step(children, weight, parents, layer_norm)
@@ -192,13 +193,13 @@ def test_steps_that_do_not_fuse(fused, monkeypatch, case):
         else:
             new, _ = routing_step(children, weight, parents, layer_norm, keep_coefficients=keep)
             torch.testing.assert_close(
-                new, unblocked_step(children, weight, parents, layer_norm)[0], rtol=0, atol=1e-10
+                new, reference_step(children, weight, parents, layer_norm)[0], rtol=0, atol=1e-10
             )
     assert fused == []
 
 
 def test_a_short_evaluation_routes_eagerly_and_a_long_one_through_the_kernel(fused, monkeypatch):
-    """``capserve evaluate`` of a few hundred images spent half its time compiling the kernel: below
+    """A ``capserve evaluate`` of a few hundred images would spend much of its time compiling the kernel: below
     ``FUSED_MIN_IMAGE_RUNS`` image runs it routes eagerly, with the same logits."""
     monkeypatch.setattr(kernel, "FUSED_MIN_PARENTS", 1)
     monkeypatch.setattr(kernel, "FUSED_BLOCK_BYTES", 1)  # blocks of two rows
@@ -210,3 +211,13 @@ def test_a_short_evaluation_routes_eagerly_and_a_long_one_through_the_kernel(fus
     long = predict_batches(model, [images], [2], images=FUSED_MIN_IMAGE_RUNS)
     assert fused  # the kernel was asked for (and, returning None here, left the rows to the eager blocks)
     torch.testing.assert_close(short[2], long[2])
+
+
+def test_compiled_kernels_counts_the_shapes_or_says_compiling_failed(monkeypatch):
+    monkeypatch.setattr(kernel, "_FUSED_KERNELS", {})
+    monkeypatch.setattr(kernel, "_FUSED_STATE", {"failed": False})
+    assert kernel.compiled_kernels() == 0
+    kernel._FUSED_KERNELS[(1,)] = fused_block
+    assert kernel.compiled_kernels() == 1
+    kernel._FUSED_STATE["failed"] = True
+    assert kernel.compiled_kernels() is None

@@ -1,8 +1,10 @@
 """The routing schedules end to end, against a reference written here from the paper and the documented layouts.
 
-``reference_step`` is one routing iteration of one capsule layer from its weights alone (children grouped,
-votes, agreement, softmax over parents, weighted sum, LayerNorm), in float64, sharing no code with
-``capserve.routing`` or ``capserve.routing``. On top of it, the two schedules are plain loops:
+``reference_step`` is one routing iteration of one capsule layer from its weights alone, in float64: children
+grouped by loops written here, the paper's equations as the package writes them once
+(``capserve.routing.attention.reference_step``: votes, agreement, softmax over parents, weighted sum; tested against
+numbers worked by hand in test_attention.py), then LayerNorm with the layer's own scale and shift. None of the
+layers' fast paths take part. On top of it, the two schedules are plain loops:
 
 - sequential: all T iterations of layer 1, then all T of layer 2, ...;
 - concurrent: iteration t updates every layer from iteration t-1's poses; every update is computed, so the
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from support.models import tiny_input, tiny_model
 
 from capserve.model.capsnet import part_whole
+from capserve.routing import attention
 
 # cifar100-simple: conv, conv, fc, class (L = 4, matrix poses, the fc chain in part_whole);
 # multimnist-vector: vector poses; cifar10-simple: conv, conv, class (the class layer reads a grid).
@@ -46,19 +49,21 @@ def reference_children(layer, u: torch.Tensor) -> torch.Tensor:
 def reference_step(layer, u: torch.Tensor, parents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One iteration: p_j = LayerNorm(Σ_i r_ij v_ij), r_ij = softmax_j(<p_j, v_ij> / √D), r_ij = 1/J from zero."""
     children = reference_children(layer, u)  # (B, P, N, D)
-    B, P, N, D = children.shape
+    B, P, N, _ = children.shape
     weight = layer.weight  # (N, J, X, Y): a pose is r rows of X values, each row mapped to Y values
-    J, X, Y = weight.shape[1:]
-    rows = D // X
-    votes = torch.einsum("bpnrx,njxy->bpnjry", children.reshape(B, P, N, rows, X), weight).reshape(B, P, N, J, rows * Y)
+    J = weight.shape[1]
+
+    def norm(s: torch.Tensor) -> torch.Tensor:
+        if not isinstance(layer.norm, torch.nn.LayerNorm):
+            return s
+        return F.layer_norm(s, s.shape[-1:], layer.norm.weight, layer.norm.bias, layer.norm.eps)
+
     if parents is None:
         coefficients = torch.full((B, P, N, J), 1.0 / J, dtype=u.dtype)
+        s = attention.reference_uniform_step(children, weight, norm)  # (B, P, J, D_out)
     else:
-        agreement = torch.einsum("bpnjd,bpjd->bpnj", votes, parents.reshape(B, P, J, -1)) / D**0.5
-        coefficients = torch.softmax(agreement, dim=-1)  # over parents
-    s = torch.einsum("bpnj,bpnjd->bpjd", coefficients, votes)  # (B, P, J, D_out)
-    if isinstance(layer.norm, torch.nn.LayerNorm):
-        s = F.layer_norm(s, s.shape[-1:], layer.norm.weight, layer.norm.bias, layer.norm.eps)
+        parents = parents.reshape(B, P, J, -1)  # (B, P, J, D_out)
+        s, coefficients = attention.reference_step(children, weight, parents, norm, keep_coefficients=True)
     if layer.kind == "fc":
         return s.reshape(B, J, -1), coefficients
     side = round(P**0.5)

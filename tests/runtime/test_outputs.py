@@ -14,7 +14,7 @@ from support.inprocess import in_process_service
 from support.models import tiny_model
 from support.server import encode, export
 
-from capserve.evaluate import THRESHOLD_GRID, fit_thresholds, multi_label_metrics
+from capserve.evaluate.metrics import THRESHOLD_GRID, fit_thresholds, multi_label_metrics
 from capserve.runtime.metadata import ModelMetadata
 from capserve.runtime.outputs import labels_passed, multi_label_decisions, sigmoid, thresholds_or_default
 from capserve.runtime.precision import agreement, decisions

@@ -61,6 +61,19 @@ def test_predict_and_interface(runtime, model):
         assert options.get_session_config_entry(key) == "0"
 
 
+@pytest.mark.parametrize("batch_size", [1, 3, 7, 64])
+def test_predict_in_batches_equals_one_call_for_any_batch_size(runtime, model, batch_size):
+    x = tiny_input(model, 7).numpy()
+    np.testing.assert_allclose(runtime.predict_in_batches(x, batch_size), runtime.predict(x), atol=1e-5)
+
+
+def test_predict_in_batches_refuses_what_predict_refuses(runtime, model):
+    with pytest.raises(InputError, match="B >= 1"):  # an empty batch is the caller's mistake, said as for predict
+        runtime.predict_in_batches(tiny_input(model, 0).numpy(), 4)
+    with pytest.raises(ValueError, match="batch_size"):
+        runtime.predict_in_batches(tiny_input(model, 2).numpy(), 0)
+
+
 def test_graph_optimization_levels_agree(onnx_file, runtime, model):
     x = tiny_input(model, 3).numpy()
     reference = runtime.predict(x)

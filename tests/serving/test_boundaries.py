@@ -6,6 +6,8 @@ by ``capserve serve MODEL``. One in-process service (``support.inprocess``: Bent
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
 import struct
 import zlib
@@ -17,7 +19,7 @@ from support.server import encode
 
 from capserve.errors import ConfigurationError
 from capserve.serving.cli import server_environment
-from capserve.serving.guard import QuietClientErrors
+from capserve.serving.guard import QuietClientErrors, one_error_shape
 from capserve.serving.openapi import IMAGE_PART_TYPES
 from capserve.serving.settings import Settings
 
@@ -212,9 +214,31 @@ def http_error_record(status: int) -> logging.LogRecord:
     )
 
 
-def test_bentoml_traceback_is_dropped_for_501_and_kept_for_500():
-    """A 501 raised in a request (/explain without its graph) is logged as one line by the guard; BentoML's
-    traceback is kept for real faults."""
+def test_bentoml_traceback_is_dropped_for_501_and_503_and_kept_for_500():
+    """A 501 raised in a request (/explain without its graph) and a 503 (a request shed under overload) are logged
+    as one line by the guard; BentoML's traceback is kept for real faults."""
     quiet = QuietClientErrors()
     assert not quiet.filter(http_error_record(501)) and not quiet.filter(http_error_record(400))
-    assert quiet.filter(http_error_record(500)) and quiet.filter(http_error_record(503))
+    assert not quiet.filter(http_error_record(503))
+    assert quiet.filter(http_error_record(500))
+
+
+@pytest.mark.parametrize(("status", "level"), [(503, logging.WARNING), (501, logging.WARNING), (500, logging.ERROR)])
+def test_a_shed_request_is_a_warning_and_a_fault_an_error(status, level, caplog):
+    """A 503 (adaptive batching sheds a request under overload: "retry later") is an expected, handled state of the
+    server, logged as one WARNING line like a 501; a 500 is a fault, logged as an ERROR."""
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def answer() -> None:
+        shaped = one_error_shape({"method": "POST", "path": "/classify"}, send)
+        await shaped({"type": "http.response.start", "status": status, "headers": []})
+        await shaped({"type": "http.response.body", "body": b'{"error": "retry later"}'})
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(answer())
+    (record,) = [r for r in caplog.records if r.name.startswith("capserve")]
+    assert record.levelno == level and record.getMessage() == f"POST /classify {status} retry later"
+    assert sent[0]["status"] == status and json.loads(sent[1]["body"]) == {"error": "retry later"}

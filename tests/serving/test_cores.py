@@ -124,7 +124,7 @@ def test_core_shares_only_for_several_cpu_workers_of_a_server(tmp_path, monkeypa
 def test_a_lone_request_runs_on_every_workers_threads_when_the_peer_is_idle(tiny_cifar10, tmp_path, monkeypatch):
     monkeypatch.setenv(CORES_FOLDER_VARIABLE, str(tmp_path))
     capsules = Capsules(Settings(model=str(tiny_cifar10), multilabel_model="none"), worker=W.Worker(0, 2, "cpu", 1))
-    wide = capsules._borrowing[False]
+    wide = capsules.cores.wide[False]
     assert wide.session.get_session_options().intra_op_num_threads == 2  # both workers' threads, no more
     assert capsules.runtime.session.get_session_options().intra_op_num_threads == 1
     assert capsules.describe()["lone_request_threads"] == 2
@@ -151,5 +151,5 @@ def test_a_lone_request_runs_on_every_workers_threads_when_the_peer_is_idle(tiny
 def test_one_worker_has_nothing_to_borrow(tiny_cifar10, tmp_path, monkeypatch):
     monkeypatch.setenv(CORES_FOLDER_VARIABLE, str(tmp_path))
     capsules = Capsules(Settings(model=str(tiny_cifar10), multilabel_model="none"), worker=W.Worker(0, 1, "cpu", 2))
-    assert capsules.cores is None and not capsules._borrowing
+    assert capsules.cores.shares is None and not capsules.cores.wide
     assert capsules.describe()["lone_request_threads"] == 2

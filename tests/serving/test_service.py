@@ -124,7 +124,7 @@ def test_raw_body_and_top_k(server):
     raw = server.post("/classify?top_k=3", content=data, headers={"content-type": "image/png"})
     assert raw.status_code == 200, raw.text
     assert raw.json() == multipart and len(multipart["predictions"]) == 3
-    # a multipart upload with its parameters in the query string (it was ignored: five predictions came back)
+    # a multipart upload with its parameters in the query string (it counts: not the default five predictions)
     mixed = server.post("/classify?top_k=3", **upload(data))
     assert mixed.status_code == 200, mixed.text
     assert mixed.json() == multipart
@@ -609,9 +609,10 @@ def test_an_open_server_says_so_once_at_start_up(server_log):
 
 
 def test_a_second_server_keeps_the_first_ones_metrics_and_answers_501_and_503(server, models):
-    """Started beside the first with the same BENTOML_HOME (the shared Prometheus folder used to be wiped), with
-    no multi-label model, no explanation graph (501s), a 1 ms batching budget (503s under a burst, never for a
-    lone request, which runs without queueing) and BentoML's access log on (off on the first server)."""
+    """Started beside the first with the same BENTOML_HOME (BentoML's shared Prometheus folder is wiped by each
+    start), with no multi-label model, no explanation graph (501s), a 1 ms batching budget (503s under a burst,
+    logged as warnings, never for a lone request, which runs without queueing) and BentoML's access log on (off on
+    the first server)."""
     for _ in range(3):
         server.post("/classify", **upload(GOOD))
     before = requests_total(server, "/classify")
@@ -652,6 +653,11 @@ def test_a_second_server_keeps_the_first_ones_metrics_and_answers_501_and_503(se
     assert "path=/classify" in log.read_text(), "CAPSERVE_ACCESS_LOG=1: BentoML's access log line per request"
     shed = [line for line in log.read_text().splitlines() if "adaptive batching has shed" in line]
     assert len(shed) == 1 and "/classify" in shed[0] and "ms per image" in shed[0], shed  # one line, not one each
+    # each shed request: one WARNING line with its reason (an expected state, not a fault), no traceback
+    answered = [line for line in log.read_text().splitlines() if "POST /classify 503" in line]
+    assert len(answered) == len(overloaded), answered
+    assert all("[WARNING]" in line and "CAPSERVE_MAX_LATENCY_MS" in line for line in answered), answered
+    assert "Exception on /classify" not in log.read_text() and "Traceback" not in log.read_text()
     assert "path=/classify" not in server.log_path.read_text(), "the access log is off by default"
 
 
@@ -690,7 +696,8 @@ def test_missing_artifact_fails_startup(models, tmp_path):
 
 
 def test_bad_setting_fails_startup_without_a_traceback(models, tmp_path):
-    """Settings are read when BentoML imports the service: a bad one gave a traceback and exit status 1."""
+    """Settings are read when BentoML imports the service: a bad one is one line and exit status 3, not BentoML's
+    traceback and status 1."""
     log = failed_start(tmp_path, CAPSERVE_MODEL=str(models["cifar10"]), CAPSERVE_MAX_BATCH_SIZE="lots")
     assert "CAPSERVE_MAX_BATCH_SIZE" in log and "Traceback" not in log
 
@@ -844,7 +851,8 @@ def test_bentoml_build(store, bentofile, name, device):
 
 def serve_the_built_bento(store: Path, tag: str) -> None:
     """``bentoml serve NAME:VERSION`` with no CAPSERVE_* set serves the models packed in it, with the bento's own
-    settings: they were not applied outside a container (it looked for models/cifar10 and exited with status 3)."""
+    settings, which BentoML applies only inside a container (else the service looks for models/cifar10 and exits
+    with status 3)."""
     from support.server import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAPSERVE_")}

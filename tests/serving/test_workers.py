@@ -82,7 +82,7 @@ def test_worker_k_serves_on_visible_gpu_k(monkeypatch):
     assert [W.assign(cuda, k, 4).device for k in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert [W.assign(cuda, k, 6).device for k in range(6)][4:] == ["cuda:0", "cuda:1"]  # round robin
     assert W.assign(Settings(device="cuda:2"), 1, 2).device == "cuda:2"  # a named GPU is every worker's
-    assert W.assign(cuda, 0, 1).device == "cuda"  # one worker: the current device, as before
+    assert W.assign(cuda, 0, 1).device == "cuda"  # one worker: the current device
 
 
 def test_available_cores_honours_a_cgroup_cpu_limit(tmp_path):
@@ -108,12 +108,12 @@ def test_one_worker_sessions_use_its_share_of_the_cores(tiny_cifar10):
     capsules = Capsules(Settings(model=str(tiny_cifar10), multilabel_model="none"), worker=worker)
     lone = capsules.runtime.session.get_session_options()
     explain = capsules.explainer.session.get_session_options()
-    batch = capsules._batch_runtimes[False].session.get_session_options()
+    batch = capsules.batchers[False].runtime.session.get_session_options()
     assert (lone.intra_op_num_threads, explain.intra_op_num_threads, batch.intra_op_num_threads) == (2, 2, 1)
-    assert capsules.batches_in_flight() == 2  # two one-thread batches: 2 threads, its share
+    assert capsules.batchers[False].in_flight == 2  # two one-thread batches: 2 threads, its share
     one = Capsules(Settings(model=str(tiny_cifar10), multilabel_model="none"), worker=W.Worker(0, 2, "cpu", 1))
-    assert one._batch_runtimes[False].session.get_session_options().intra_op_num_threads == 1
-    assert one.batches_in_flight() == 1  # never two threads on a one-core share
+    assert one.batchers[False].runtime.session.get_session_options().intra_op_num_threads == 1
+    assert one.batchers[False].in_flight == 1  # never two threads on a one-core share
     described = capsules.describe()
     assert (described["worker"], described["workers"], described["threads"]) == (1, 2, 2)
 

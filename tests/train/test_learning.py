@@ -13,8 +13,8 @@ from PIL import Image
 from support.models import tiny_overrides
 
 import capserve
-from capserve import evaluate as ev
 from capserve.cli import main
+from capserve.evaluate import metrics as ev
 from capserve.export.onnx import load_checkpoint
 from capserve.model.checkpoint import not_learned_warning
 from capserve.serving.settings import Settings

@@ -17,9 +17,9 @@ from support.models import tiny_overrides
 import capserve
 import capserve.data
 import capserve.train.cli
-from capserve import evaluate as ev
 from capserve.cli import main
 from capserve.data.preprocess import normalize
+from capserve.evaluate import metrics as ev
 from capserve.train.config import TrainConfig, lr_factor
 from capserve.train.loop import improves, train
 

@@ -1,0 +1,185 @@
+"""``capserve evaluate CHECKPOINT --data DIR|CSV``: metrics per routing iteration count as a table, JSON or plots
+(docs/training.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from capserve.configs import ModelConfig
+from capserve.data.builtin import dataset_for, load_test, load_validation
+from capserve.data.own import Manifest, check_data_exists, check_labels, is_own_data, scan
+from capserve.evaluate.evaluator import calibrate, evaluate, evaluate_own, own_samples
+from capserve.evaluate.metrics import by_label, metrics
+from capserve.evaluate.plots import plot_confusion, plot_iterations
+from capserve.model.checkpoint import CONFIG
+from capserve.model.factory import load
+
+log = logging.getLogger(__name__)
+
+
+DEFAULT_ITERATIONS = (1, 2, 3, 4, 5)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="model folder (config.json + model.safetensors), e.g. RUN/best")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="your images (a label-folder tree or a CSV: its test split, or "
+        "everything when it names no splits), or the folder with the CIFAR/MNIST files",
+    )
+    p.add_argument(
+        "--label-separator",
+        metavar="SEP",
+        help="a CSV's labels column: labels separated by SEP (default: spaces), as in training",
+    )
+    p.add_argument(
+        "--iterations",
+        help="routing iteration counts, comma-separated (default 1,2,3,4,5; CNN "
+        "baselines have no routing and take none)",
+    )
+    p.add_argument("--split", choices=("test", "val"), default="test")
+    p.add_argument("--limit", type=int, help="evaluate only the first N images")
+    p.add_argument("--batch-size", type=int, default=250)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--calibrate", action="store_true", help="multi-label: fit thresholds on validation, store them")
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object (nothing else)")
+    p.add_argument("--out", help="folder for evaluation.json and the plots")
+
+
+def parse_iterations(text: str | None) -> list[int] | None:
+    """``--iterations`` → sorted T values (None when not given)."""
+    if text is None:
+        return None
+    try:
+        iterations = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise ValueError(f"--iterations takes integers like 1,2,3, got {text!r}") from None
+    if not iterations or iterations[0] < 1:
+        raise ValueError(f"--iterations must be integers >= 1, got {text!r}")
+    return iterations
+
+
+def iterations_for(config: ModelConfig, given: list[int] | None) -> list[int | None]:
+    """The T to evaluate: ``given`` or 1..5; [None] for a CNN, which has no routing (and refuses a given list)."""
+    if config.has_routing:
+        return list(given or DEFAULT_ITERATIONS)
+    if given is not None:
+        raise ValueError(
+            f"{config.name} is a CNN (head {config.head!r}) without routing: --iterations does not apply; drop it"
+        )
+    return [None]
+
+
+def run(args: argparse.Namespace) -> int:
+    given = parse_iterations(args.iterations)  # a malformed list fails before any work
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    checkpoint = Path(args.checkpoint)
+    if not (checkpoint / CONFIG).is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a model folder ({CONFIG} missing); pass e.g. RUN/best")
+    check_data_exists(args.data)
+    if args.calibrate:
+        thresholds = calibrate(checkpoint, args.data, args.batch_size, args.device, args.label_separator)
+        log.info(
+            "calibrated thresholds on the validation split (stored in %s): %s",
+            checkpoint / CONFIG,
+            ", ".join(f"{t:.2f}" for t in thresholds),
+        )
+    model = load(checkpoint, args.device)
+    c = model.config
+    iterations = iterations_for(c, given)
+    trained_T = c.iterations if c.has_routing else None
+    info = c.extra.get("data", {})
+    skipped = 0
+    if is_own_data(args.data):
+        manifest = scan(args.data, args.label_separator)
+        dataset = manifest.kind
+        samples = own_samples(manifest, args.split, info.get("val_size"))[: args.limit]
+        check_labels(
+            Manifest(manifest.source, manifest.kind, {"train": [], args.split: samples}, True),
+            c.labels,
+            f"the model's labels ({checkpoint})",
+            (args.split,),
+        )
+        logits, targets, skipped = evaluate_own(
+            model, samples, manifest.source, iterations, args.batch_size, args.device
+        )
+        results = {T: metrics(c, logits[T], targets) for T in iterations}
+        images = len(targets)
+    else:
+        dataset = info.get("dataset") or dataset_for(c.labels, c.task, c.image_size)
+        if dataset in ("folder", "csv"):
+            raise FileNotFoundError(
+                f"{c.name} was trained on your own images ({info.get('source')}); pass a folder "
+                f"or CSV of such images as --data, not {args.data}"
+            )
+        if args.split == "test":
+            split = load_test(dataset, args.data)
+        else:
+            split = load_validation(dataset, args.data, info.get("val_size", 5000))
+        if args.limit:
+            split = split.subset(torch.arange(min(args.limit, len(split))))
+        results = evaluate(model, split, iterations, args.batch_size, args.device)
+        images = len(split)
+    key = "exact_match" if c.task == "multi_label" else "top1"
+    results = {T: by_label(r, c.labels) for T, r in results.items()}
+    report = {
+        "model": c.name,
+        "checkpoint": str(checkpoint),
+        "data": str(args.data),
+        "dataset": dataset,
+        "split": args.split,
+        "images": images,
+        "skipped_images": skipped,
+        "task": c.task,
+        "labels": list(c.labels),
+        "trained_iterations": trained_T,
+        "thresholds": c.thresholds,
+        "results": {"none" if T is None else T: r for T, r in results.items()},
+    }
+    main = results.get(trained_T, results[iterations[-1]])
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
+        if c.has_routing:
+            plot_iterations(results, key, out / "iterations.png", f"{c.name}: {args.split} {key} vs T")
+        if c.task == "single_label":
+            T = trained_T if trained_T in results else iterations[-1]
+            at = "" if T is None else f", T = {T}"
+            plot_confusion(main["confusion"], c.labels, out / "confusion.png", f"{c.name}: {args.split}{at}")
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    tops = [k for k in results[iterations[0]] if k.startswith("top") and k != "top1"]
+    second = "macro_f1" if c.task == "multi_label" else tops[0]
+    third = ["ranked_recall"] if c.task == "multi_label" else []
+    skipped_note = f", {skipped} unreadable skipped" if skipped else ""
+    trained = f"trained with T = {trained_T}" if c.has_routing else f"a CNN ({c.head} head): no routing iterations"
+    print(f"{c.name} on {dataset} {args.split} ({images} images{skipped_note}; {trained})")
+    print(f"{'T':>3} {key:>12} {second:>10}" + "".join(f" {name:>14}" for name in third))
+    for T in iterations:
+        print(
+            f"{'-' if T is None else T:>3} {100 * results[T][key]:11.2f}% {100 * results[T][second]:9.2f}%"
+            + "".join(f" {100 * results[T][name]:13.2f}%" for name in third)
+        )
+    width = max(10, *(len(lab) for lab in c.labels))
+    if c.task == "multi_label":
+        print("per-class F1: " + ", ".join(f"{lab} {main['f1'][lab]:.3f}" for lab in c.labels))
+    else:
+        print(f"{'label':>{width}} {'precision':>9} {'recall':>7} {'F1':>6} {'images':>7}")
+        for lab in c.labels:
+            print(
+                f"{lab:>{width}} {main['precision'][lab]:9.3f} {main['recall'][lab]:7.3f} {main['f1'][lab]:6.3f} "
+                f"{main['support'][lab]:7d}"
+            )
+        print("confusion matrix (rows true, columns predicted):")
+        for lab, row in zip(c.labels, main["confusion"], strict=True):
+            print(f"{lab:>{width}} " + " ".join(f"{v:5d}" for v in row))
+    return 0

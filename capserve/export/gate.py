@@ -1,0 +1,176 @@
+"""The INT8 gate: an INT8 graph's decisions against its FP32 graph's on held-out images, the accuracy of both,
+and, when it fails, what was measured and the likelier causes in that light (``diagnose``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from capserve.errors import ExportError
+from capserve.runtime.base import Runtime
+from capserve.runtime.metadata import ModelMetadata
+from capserve.runtime.outputs import thresholds_or_default
+from capserve.runtime.precision import AgreementReport, compare_precisions, decisions
+
+# Least top-1 (label-set) agreement of INT8 with FP32 on held-out images. One bound for both tasks: label-set
+# agreement is the stricter measure, and this one keeps the accuracy lost to INT8 under a point on both shipped
+# models while refusing a fully quantized multi-label model that loses more (docs/int8.md has the figures).
+INT8_MIN_AGREEMENT = 0.97
+
+
+@dataclass(frozen=True)
+class GateReport:
+    """INT8 against FP32 on held-out images: agreement (``AgreementReport``) and the accuracy of both."""
+
+    check: AgreementReport
+    metric: str  # "top-1" or "exact match"
+    fp32_accuracy: float | None  # None without labels
+    int8_accuracy: float | None
+    split: str
+
+    @property
+    def passed(self) -> bool:
+        return self.check.passed
+
+    def __str__(self) -> str:
+        c = self.check
+        text = (
+            f"int8 vs fp32 {c.measure} agreement {c.agreement:.4f} on {c.images} held-out images ({self.split}; "
+            f"bound {c.bound:g}), max |Δlogit| {c.max_abs_logit:.3g}"
+        )
+        if self.fp32_accuracy is not None:
+            text += f"; {self.metric} fp32 {self.fp32_accuracy:.2%}, int8 {self.int8_accuracy:.2%}"
+        return text
+
+
+def accuracy(logits: np.ndarray, targets: np.ndarray, metadata: ModelMetadata) -> float:
+    """Top-1 (single-label) or exact match with the model's thresholds (multi-label) of logits (N, C)."""
+    chosen = decisions(logits, metadata)  # (N, 1) or (N, C)
+    truth = targets[:, None] if metadata.task != "multi_label" else targets > 0.5  # (N, 1) or (N, C)
+    return float((chosen == truth).all(axis=1).mean())
+
+
+def score(
+    fp32: Runtime,
+    int8: Runtime,
+    held_out: np.ndarray,
+    targets: np.ndarray | None,
+    split: str,
+    bound: float = INT8_MIN_AGREEMENT,
+    batch_size: int = 100,
+) -> GateReport:
+    """The gate: two runtimes (``load_runtime`` of the FP32 and INT8 graphs) on held-out images (M, C, H, W)."""
+    if not len(held_out):
+        raise ExportError(
+            "no held-out images to check the int8 graph on: give --calibration data with a test or "
+            "val split, or more images than --calibration-images"
+        )
+    check = compare_precisions(fp32, int8, held_out, bound, batch_size)
+    check = dataclasses.replace(check, candidate="int8", sample="held-out images")
+    meta = fp32.metadata
+    metric = "exact match" if meta.task == "multi_label" else "top-1"
+    if targets is None:
+        return GateReport(check, metric, None, None, split)
+    a = fp32.predict_in_batches(held_out, batch_size)  # (M, C)
+    b = int8.predict_in_batches(held_out, batch_size)  # (M, C)
+    return GateReport(check, metric, accuracy(a, targets, meta), accuracy(b, targets, meta), split)
+
+
+def decision_margins(logits: np.ndarray, metadata: ModelMetadata) -> np.ndarray:
+    """How far each image (logits (N, C)) is from another decision, in logits: top-1 minus the runner-up
+    (single-label), or the distance of the logit nearest its threshold's logit (multi-label). (N,)"""
+    if metadata.task != "multi_label":
+        top = np.sort(logits.astype(np.float64), axis=1)
+        return top[:, -1] - top[:, -2] if logits.shape[1] > 1 else np.full(len(logits), np.inf)
+    t = np.clip(thresholds_or_default(metadata.thresholds, logits.shape[1]), 1e-12, 1 - 1e-12)
+    return np.abs(logits.astype(np.float64) - np.log(t / (1 - t))).min(axis=1)
+
+
+# Per-class agreements named in a refusal (the lowest first)
+SHOWN_CLASSES = 3
+
+
+def diagnose(
+    held_out: tuple[np.ndarray, np.ndarray],
+    calibration: tuple[np.ndarray, np.ndarray],
+    metadata: ModelMetadata,
+    bound: float,
+    calibration_data: str,
+    max_float_nodes: int,
+) -> str:
+    """Why an INT8 graph failed the gate, from the (fp32, int8) logits (N, C) of the held-out and of the calibration
+    images: what was measured, then the likelier causes in the order the measurements point to.
+
+    int8's error on its own calibration images is its rounding where the calibrated ranges fit; fp32's margins set
+    against it tell a model that decides by near-ties (weakly trained: any rounding flips them, no calibration
+    helps) from a quantization that is too coarse, and the calibration images' own agreement tells whether int8
+    fails only on images unlike those it was calibrated on."""
+    multi = metadata.task == "multi_label"
+    fp32, int8 = held_out
+
+    def agree(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # (N,): the same decision
+        return (decisions(a, metadata) == decisions(b, metadata)).all(axis=1)
+
+    def shift(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # (N,): how far int8 moves each image's logits
+        return np.abs(b.astype(np.float64) - a).max(axis=1)
+
+    margins, same = decision_margins(fp32, metadata), agree(fp32, int8)  # (N,), (N,)
+    agreement, calibration_agreement = float(same.mean()), float(agree(*calibration).mean())
+    rounding = float(np.median(shift(*calibration)))
+    reach = rounding * (1 if multi else 2)  # a flip of the top two moves both logits; a threshold decision one
+    near = float((margins <= reach).mean())  # the held-out images int8's rounding alone can flip
+    what = "the logit nearest its threshold" if multi else "top-1 minus runner-up logit"
+    measured = (
+        f"fp32's margins ({what}): median {np.median(margins):.3g} over the {len(margins)} held-out images"
+        + (
+            f", {np.median(margins[~same]):.3g} over the {int((~same).sum())} int8 decides otherwise"
+            if (~same).any()
+            else ""
+        )
+        + f"; on the calibration images int8 agrees on {calibration_agreement:.4f} and moves logits by "
+        f"{rounding:.3g} (median of each image's max |Δlogit|; {np.median(shift(fp32, int8)):.3g} on the "
+        f"held-out), within reach of another decision for {near:.0%} of the held-out images"
+    )
+    if multi:  # per label: that label's decision
+        per = (decisions(int8, metadata) == decisions(fp32, metadata)).mean(axis=0)  # (C,)
+        counts = np.full(len(per), len(fp32))
+        title = "agreement per label, lowest"
+    else:  # per class of fp32's answer
+        answer = fp32.argmax(1)
+        counts = np.bincount(answer, minlength=fp32.shape[1])
+        per = np.array([same[answer == c].mean() if counts[c] else np.inf for c in range(fp32.shape[1])])
+        title = "agreement per class of fp32's answer, lowest"
+    order = [c for c in np.argsort(per, kind="stable") if np.isfinite(per[c])][:SHOWN_CLASSES]
+    classes = ", ".join(f"{metadata.labels[c]} {per[c]:.2f} of {counts[c]}" for c in order)
+
+    weak = (
+        f"the model decides by small margins (weakly trained?): {near:.0%} of the held-out images sit within "
+        "int8's rounding of another decision, and no calibration changes that; train it further, or lower "
+        "--min-agreement / pass --force if this fp32 model is the one to serve"
+    )
+    covered = calibration_agreement >= bound  # int8 holds on the images it was calibrated on
+    if covered:
+        unlike = (
+            f"the calibration images ({calibration_data}) do not cover the held-out ones: int8 agrees with "
+            f"fp32 on {calibration_agreement:.4f} of them but on {agreement:.4f} of the held-out; calibrate on "
+            "images like the served ones, or on more of them (--calibration-images)"
+        )
+    else:
+        unlike = (
+            f"the calibration images ({calibration_data}) may not look like the served ones (the least "
+            f"likely: int8 disagrees on them too); calibrate on images like the served ones, or on more of "
+            "them (--calibration-images)"
+        )
+    coarse = (
+        f"some layers lose too much to int8 (it moves logits by up to {shift(fp32, int8).max():.3g}): leave "
+        f"the most sensitive in float (--max-float-nodes, {max_float_nodes} this time; or --keep-float NODE), "
+        "or try --calibration-method percentile"
+    )
+    if near >= 1 - bound:  # near-ties alone can account for failing the gate
+        causes = [weak, *((unlike, coarse) if covered else (coarse, unlike))]
+    else:
+        causes = [unlike, coarse, weak] if covered else [coarse, unlike, weak]
+    listed = "".join(f"\n  ({i}) {cause}" for i, cause in enumerate(causes, 1))
+    return f"Measured: {measured}; {title}: {classes}.\nLikelier causes, in order:{listed}"
