@@ -151,3 +151,11 @@ def test_the_shim_finder_finds_a_reexporting_module(tmp_path):
     shim.write_text('"""Moved."""\n\nfrom capserve.data.images import *  # noqa: F403\n')
     real.write_text("from capserve.data.images import load_image\n\nSIZE = 3\n")
     assert only_reexports(shim) and not only_reexports(real)
+
+
+@pytest.mark.parametrize("package", sorted(name for name, path in MODULES.items() if path.name == "__init__.py"))
+def test_every_package_states_its_public_names(package):
+    """Each package's ``__init__`` lists what it offers (``__all__``), and each listed name is there."""
+    module = importlib.import_module(package)
+    assert isinstance(getattr(module, "__all__", None), list), f"{package} has no __all__"
+    assert [name for name in module.__all__ if not hasattr(module, name)] == []

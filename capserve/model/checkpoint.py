@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +26,71 @@ NOT_LEARNED = "learned"  # the key under config.json's "training" that a run whi
 
 
 def save_model(model: nn.Module, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
-    """Save a model's weights and its ``model.config`` to ``directory`` (created if needed) and return it."""
+    """Save a model's weights and its ``model.config`` to ``directory`` (created if needed) and return it.
+
+    Each file is written beside its place and renamed over it, so a process killed while saving leaves each file
+    whole, old or new; ``replacing_directory`` makes the pair change together."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     payload = {"format_version": FORMAT_VERSION, "config": model.config.to_dict(), **(extra or {})}
-    (directory / CONFIG).write_text(json.dumps(payload, indent=2) + "\n")
-    save_tensors(state, directory / WEIGHTS, metadata={"format": "pt"})
+    with partial_file(directory / WEIGHTS) as partial:
+        save_tensors(state, partial, metadata={"format": "pt"})
+    with partial_file(directory / CONFIG) as partial:
+        partial.write_text(json.dumps(payload, indent=2) + "\n")
     return directory
+
+
+@contextlib.contextmanager
+def partial_file(path: Path) -> Iterator[Path]:
+    """A hidden sibling of ``path`` to write, renamed over ``path`` once written (removed if the writing fails)."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def swap_names(directory: Path) -> tuple[Path, Path]:
+    """The hidden siblings ``replacing_directory`` uses: the folder being written, and the one being replaced."""
+    return directory.with_name(f".{directory.name}.partial"), directory.with_name(f".{directory.name}.old")
+
+
+@contextlib.contextmanager
+def replacing_directory(directory: str | Path) -> Iterator[Path]:
+    """A fresh hidden folder to write a model directory into; it takes ``directory``'s place only once written
+    whole, so a process killed while writing leaves ``directory`` as it was. A directory cannot replace a non-empty
+    one in one rename, so the swap is two (the old one aside, the new one in) and ``recover_directory`` finishes
+    a swap a kill cut between them."""
+    directory = Path(directory)
+    partial, old = swap_names(directory)
+    recover_directory(directory)
+    shutil.rmtree(partial, ignore_errors=True)  # left by a process killed while writing
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if directory.exists():
+        os.rename(directory, old)
+    os.rename(partial, directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_directory(directory: str | Path) -> None:
+    """Finish a ``replacing_directory`` swap a kill interrupted: without ``directory``, the whole one set aside comes
+    back; beside ``directory``, it is the finished swap's leftover and goes."""
+    directory = Path(directory)
+    _, old = swap_names(directory)
+    if not old.exists():
+        return
+    if directory.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(old, directory)
+        log.warning("%s: restored the checkpoint a killed run had set aside", directory)
 
 
 def save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from capserve.configs import list_models
 from capserve.data.augment import AUGMENTATIONS
+from capserve.model.checkpoint import recover_directory
 
 SCHEDULES = ("step", "cosine", "onecycle")
 
@@ -169,6 +170,7 @@ def read_resume_config(path: str | Path) -> TrainConfig:
     """The ``TrainConfig`` saved in a run folder (or its ``last/``), for ``--resume``."""
     path = Path(path)
     last = path if (path / "trainer.json").is_file() else path / "last"
+    recover_directory(last)  # a run killed between the two renames of its last save
     if not (last / "trainer.json").is_file():
         raise FileNotFoundError(
             f"no checkpoint to resume in {path}: expected {path}/last/trainer.json "

@@ -42,7 +42,7 @@ from capserve.data.splits import Split
 from capserve.evaluate.evaluator import predict_logits, store_thresholds
 from capserve.evaluate.metrics import fit_thresholds
 from capserve.evaluate.plots import plot_curves
-from capserve.model.checkpoint import CONFIG, NOT_LEARNED, save_model
+from capserve.model.checkpoint import CONFIG, NOT_LEARNED, replacing_directory, save_model
 from capserve.model.factory import Model, build_model
 from capserve.model.factory import load as load_model
 from capserve.routing.losses import training_loss
@@ -471,12 +471,10 @@ def end_epoch(run: Run, record: dict[str, Any]) -> None:
             state["elapsed"],
             " (best)" if improved else "",
         )
-        if improved:
-            save_model(
-                run.model,
-                run.out / "best",
-                extra={"training": provenance(cfg, state), "metrics": {"val_acc": record.get("val_acc")}},
-            )
+        if improved:  # swapped in whole: evaluate, export and serve never read half a best/
+            with replacing_directory(run.out / "best") as best:
+                extra = {"training": provenance(cfg, state), "metrics": {"val_acc": record.get("val_acc")}}
+                save_model(run.model, best, extra=extra)
         save_state(run.out / "last", run.model, run.opt, run.scaler, state, cfg)
     if d.enabled:
         dist.barrier()

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from capserve.configs import get_config, list_models
-from capserve.model.checkpoint import read_config, save_model, save_tensors
+from capserve.model.checkpoint import read_config, recover_directory, replacing_directory, save_model, save_tensors
 from capserve.model.factory import Model
 from capserve.model.factory import load as load_model
 from capserve.train.config import TrainConfig
@@ -25,39 +25,36 @@ log = logging.getLogger(__name__)
 def save_state(
     directory: Path, model: Model, opt: torch.optim.Optimizer, scaler: Any, state: dict, cfg: TrainConfig
 ) -> None:
-    """``last/``: model dir + optimizer tensors (safetensors) + everything else as JSON. No pickle."""
-    tmp = directory.with_name(directory.name + ".tmp")
-    save_model(model, tmp, extra={"training": provenance(cfg, state)})
-    tensors: dict[str, Tensor] = {}
-    meta: dict[str, Any] = {}
-    sd = opt.state_dict()
-    for idx, entries in sd["state"].items():
-        for key, value in entries.items():
-            if isinstance(value, Tensor):
-                tensors[f"state.{idx}.{key}"] = value.detach().cpu().contiguous()
-            else:
-                meta[f"{idx}.{key}"] = value
-    tensors["rng.cpu"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng.cuda.{i}"] = s
-    save_tensors(tensors, tmp / "optimizer.safetensors")
-    trainer = {
-        "train_config": dataclasses.asdict(cfg),
-        "state": state,
-        "param_groups": sd["param_groups"],
-        "optimizer_scalars": meta,
-        "scaler": scaler.state_dict() if scaler is not None else None,
-    }
-    (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
-    if directory.exists():
-        for f in directory.iterdir():
-            f.unlink()
-        directory.rmdir()
-    tmp.rename(directory)
+    """``last/``: model dir + optimizer tensors (safetensors) + everything else as JSON. No pickle. Written aside and
+    swapped in whole (``replacing_directory``): a run killed while saving resumes from the ``last/`` before."""
+    with replacing_directory(directory) as tmp:
+        save_model(model, tmp, extra={"training": provenance(cfg, state)})
+        tensors: dict[str, Tensor] = {}
+        meta: dict[str, Any] = {}
+        sd = opt.state_dict()
+        for idx, entries in sd["state"].items():
+            for key, value in entries.items():
+                if isinstance(value, Tensor):
+                    tensors[f"state.{idx}.{key}"] = value.detach().cpu().contiguous()
+                else:
+                    meta[f"{idx}.{key}"] = value
+        tensors["rng.cpu"] = torch.get_rng_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for i, s in enumerate(torch.cuda.get_rng_state_all()):
+                tensors[f"rng.cuda.{i}"] = s
+        save_tensors(tensors, tmp / "optimizer.safetensors")
+        trainer = {
+            "train_config": dataclasses.asdict(cfg),
+            "state": state,
+            "param_groups": sd["param_groups"],
+            "optimizer_scalars": meta,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
+        (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
 
 
 def load_state(directory: Path, model: Model, opt: torch.optim.Optimizer, scaler: Any, device: torch.device) -> dict:
+    recover_directory(directory)
     trainer = json.loads((directory / "trainer.json").read_text())
     weights = load_model(directory, device)
     model.load_state_dict(weights.state_dict())

@@ -9,6 +9,8 @@ import torch
 from support.models import tiny_input, tiny_model
 
 import capserve
+from capserve.model import checkpoint
+from capserve.model.checkpoint import recover_directory, replacing_directory, save_model, swap_names
 
 
 def test_save_load_round_trip(tmp_path, model_name):
@@ -72,3 +74,55 @@ def test_saving_the_same_weights_twice_gives_identical_files(tmp_path):
         model.save(tmp_path / name)
     files = {(tmp_path / n / "model.safetensors").read_bytes() for n in ("a", "b", "c")}
     assert len(files) == 1
+
+
+def shifted(model):
+    """The model with other weights (every parameter + 1)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    return model
+
+
+def test_a_save_that_fails_half_way_leaves_the_model_directory_as_it_was(tmp_path):
+    """A process killed (here: an error) while a model directory is rewritten leaves the old one whole, and no
+    hidden half-written folder beside it."""
+    directory = tmp_path / "best"
+    first, second = tiny_model("cifar10-simple"), shifted(tiny_model("cifar10-simple"))
+    with replacing_directory(directory) as d:
+        save_model(first, d)
+    before = (directory / "model.safetensors").read_bytes()
+    with pytest.raises(RuntimeError), replacing_directory(directory) as d:
+        save_model(second, d)
+        raise RuntimeError("killed")
+    assert (directory / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+    with replacing_directory(directory) as d:
+        save_model(second, d)
+    assert (directory / "model.safetensors").read_bytes() != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+
+
+def test_a_swap_cut_between_its_two_renames_is_finished_on_the_next_use(tmp_path):
+    directory = tmp_path / "last"
+    save_model(tiny_model("cifar10-simple"), directory)
+    _, aside = swap_names(directory)
+    directory.rename(aside)  # killed after setting the old one aside, before the new one came in
+    recover_directory(directory)
+    assert capserve.load(directory) is not None and not aside.exists()
+    save_model(tiny_model("cifar10-simple"), aside)  # killed after the new one came in, before the old one went
+    recover_directory(directory)
+    assert directory.is_dir() and not aside.exists()
+
+
+def test_save_model_replaces_each_file_whole(tmp_path, monkeypatch):
+    directory = save_model(tiny_model("cifar10-simple"), tmp_path / "m")
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+
+    def killed(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_tensors", killed)
+    with pytest.raises(OSError):
+        save_model(shifted(tiny_model("cifar10-simple")), directory)
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before  # no partial file, nothing changed

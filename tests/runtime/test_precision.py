@@ -52,7 +52,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 def test_precision_setting_parses_and_defaults_to_auto():
     assert Settings.from_env({}).precision == "auto"
-    assert Settings.from_env({}).bf16_min_agreement == P.MIN_AGREEMENT
+    assert Settings.from_env({}).bf16_min_agreement == P.BF16_MIN_AGREEMENT
     s = Settings.from_env(
         {"CAPSERVE_BACKEND": "torch", "CAPSERVE_PRECISION": " BF16 ", "CAPSERVE_BF16_MIN_AGREEMENT": "0.75"}
     )
@@ -245,7 +245,7 @@ def test_open_torch_refuses_a_bound_outside_0_1(models):
 def test_verify_compares_a_model_folder_at_bf16(models, capsys):
     assert main(["verify", str(models["contrived"]), "--precision", "bf16"]) == 1
     out = capsys.readouterr().out
-    assert "bf16, torch" in out and "FAIL" in out and f"top-1 agree >= {P.MIN_AGREEMENT:g}" in out
+    assert "bf16, torch" in out and "FAIL" in out and f"top-1 agree >= {P.BF16_MIN_AGREEMENT:g}" in out
     assert f"\n{P.SAMPLE_SIZE:>5} " in out  # the service's sample: one row of SAMPLE_SIZE images
     assert main(["verify", str(models["cifar10"]), "--precision", "bf16", "--min-agreement", "0.5"]) == 0
     assert "passed" in capsys.readouterr().out

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -284,3 +287,46 @@ def test_cli_errors(cifar, tmp_path, capsys):
     assert "no checkpoint to resume" in capsys.readouterr().err
     assert main(["evaluate", str(tmp_path), "--data", str(cifar)]) == 2
     assert "not a model folder" in capsys.readouterr().err
+
+
+KILLED_RUN = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from support.data import cfg
+from capserve.train.loop import train
+train(cfg("cifar10-simple", sys.argv[2], sys.argv[3], test=False, epochs=int(sys.argv[4]), batch_size=8))
+"""
+
+
+def test_a_run_killed_at_a_random_point_resumes_to_the_uninterrupted_weights(cifar, tmp_path):
+    """SIGKILL at a random moment after the first checkpoint (mid-epoch, or while last/ or best/ is being written),
+    then --resume: the run continues from the last whole checkpoint and ends with the uninterrupted run's weights
+    (CPU, fixed seed: the resumed steps are the same steps), with no half-written folder left behind."""
+    epochs = 12
+    whole = tmp_path / "whole"
+    summary = train(cfg("cifar10-simple", cifar, whole, test=False, epochs=epochs, batch_size=8))
+    part = tmp_path / "part"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_RUN, str(ROOT / "tests"), str(cifar), str(part), str(epochs)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (part / "last" / "trainer.json").is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        delay = random.Random().uniform(0, 0.4)  # a random point of the epochs that follow
+        time.sleep(delay)
+        assert proc.poll() is None, f"the run ended before the kill ({delay:.3f} s after last/): give it more epochs"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    saved = json.loads((part / "last" / "trainer.json").read_text())["state"]
+    assert saved["epoch"] < epochs  # killed before the end
+    assert main(["train", "--resume", str(part)]) == (1 if summary.get("learned") is False else 0)
+    for folder in ("last", "best"):
+        a, b = load_file(str(whole / folder / "model.safetensors")), load_file(str(part / folder / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (folder, delay, saved)
+    assert not [p.name for p in part.iterdir() if p.name.startswith(".")]  # no partial or set-aside folder
