@@ -119,7 +119,8 @@ def test_save_model_replaces_each_file_whole(tmp_path, monkeypatch):
     directory = save_model(tiny_model("cifar10-simple"), tmp_path / "m")
     before = {p.name: p.read_bytes() for p in directory.iterdir()}
 
-    def killed(*args, **kwargs):
+    def killed(tensors, path, metadata=None):  # half the file written, then the disk is full
+        path.write_bytes(b"\x00" * 64)
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint, "save_tensors", killed)
