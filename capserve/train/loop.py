@@ -325,6 +325,8 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
     if resume is not None:
         last = Path(resume) if (Path(resume) / "trainer.json").is_file() else Path(resume) / "last"
         state = load_state(last, model, opt, scaler, device)
+        if d.main:
+            drop_unsaved_epochs(out / "metrics.jsonl", state["epoch"])
         log.info("resumed from %s at epoch %d, step %d", last, state["epoch"] + 1, state["step"])
     run = Run(
         cfg,
@@ -356,6 +358,22 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
             sum(p.numel() for p in model.parameters()),
         )
     return run
+
+
+def drop_unsaved_epochs(metrics: Path, saved_epochs: int) -> None:
+    """Forget the records of whole epochs after the last saved one, and a last line a kill cut short: a run killed
+    after logging an epoch but before saving it runs that epoch again on ``--resume``, which logs it again."""
+    if not metrics.is_file():
+        return
+    kept = []
+    for line in metrics.read_text().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not (record["epoch_complete"] and record["epoch"] > saved_epochs):
+            kept.append(line)
+    metrics.write_text("".join(kept))
 
 
 def augment(run: Run, x: Tensor, epoch: int, batch: int) -> Tensor:

@@ -24,7 +24,7 @@ from capserve.cli import main
 from capserve.data.preprocess import normalize
 from capserve.evaluate import metrics as ev
 from capserve.train.config import TrainConfig, lr_factor
-from capserve.train.loop import improves, train
+from capserve.train.loop import drop_unsaved_epochs, improves, train
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -330,3 +330,15 @@ def test_a_run_killed_at_a_random_point_resumes_to_the_uninterrupted_weights(cif
         a, b = load_file(str(whole / folder / "model.safetensors")), load_file(str(part / folder / "model.safetensors"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (folder, delay, saved)
     assert not [p.name for p in part.iterdir() if p.name.startswith(".")]  # no partial or set-aside folder
+    logged = [json.loads(line) for line in (part / "metrics.jsonl").read_text().splitlines()]
+    expected = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["train_loss"]) for r in logged] == [(r["epoch"], r["train_loss"]) for r in expected]
+
+
+def test_resume_forgets_epochs_logged_but_not_saved(tmp_path):
+    """A kill after an epoch's metrics line but before its checkpoint: that epoch runs again, and is logged once."""
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"epoch": e, "epoch_complete": True, "train_loss": 1.0 / e} for e in (1, 2, 3)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"epoch": 4, "epo')  # a line cut by the kill
+    drop_unsaved_epochs(metrics, saved_epochs=2)
+    assert [json.loads(line)["epoch"] for line in metrics.read_text().splitlines()] == [1, 2]
