@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from capserve.serving.app import Capsules, RequestError
 from capserve.serving.guard import GUARDED_UPLOAD, RequestGuard
-from capserve.serving.process import ServerSetup, freeze_startup_heap, setup_server
+from capserve.serving.process import ServerSetup, count_worker_start, freeze_startup_heap, setup_server
 from capserve.serving.schemas import Classification, Explained, MultiLabel
 from capserve.serving.settings import Settings
 
@@ -23,6 +23,7 @@ __all__ = [
     "RequestGuard",
     "ServerSetup",
     "Settings",
+    "count_worker_start",
     "freeze_startup_heap",
     "setup_server",
 ]

@@ -82,6 +82,26 @@ class ServerSetup:
         )
 
 
+_WORKER_STARTS: list[Any] = []  # the Prometheus counter, created on first use
+
+
+def count_worker_start() -> None:
+    """Count this worker's start in ``capserve_worker_starts_total{worker}``. BentoML's process manager starts a
+    worker again when it dies, and a killed process's counts stay in the shared metrics folder: a worker whose count
+    is above 1 has died and come back."""
+    if not _WORKER_STARTS:
+        import bentoml
+
+        _WORKER_STARTS.append(
+            bentoml.metrics.Counter(
+                name="capserve_worker_starts",
+                documentation="worker processes started, by worker index; above 1, that worker died and was restarted",
+                labelnames=["worker"],
+            )
+        )
+    _WORKER_STARTS[0].labels(worker=str(current_index())).inc()
+
+
 def setup_server(module_file: str) -> ServerSetup:
     """The service module's import-time work, all of it, in the ``bentoml serve`` process and in each worker:
     ``prepare_server_process``, then the settings (a built bento's ``envs`` as defaults that the environment

@@ -23,6 +23,7 @@ from capserve.serving import (
     Explained,
     MultiLabel,
     RequestGuard,
+    count_worker_start,
     freeze_startup_heap,
     setup_server,
 )
@@ -47,6 +48,7 @@ class CapsuleService:
         self.capsules = Capsules(SERVER.settings, worker=SERVER.worker())  # loads, warms up; a failure: exit status 3
         SERVER.input_shapes.update(self.capsules.input_shapes)  # what RequestGuard checks pixel tensors against
         freeze_startup_heap()  # the garbage collector then skips what start-up left (libraries, models)
+        count_worker_start()  # /metrics then tells a worker that died and came back
 
     def __is_ready__(self) -> bool:
         return self.capsules.ready
