@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from capserve.errors import ExportError, Int8GateError
+from capserve.files import partial_file
 from capserve.records import checked_fields
 from capserve.runtime.metadata import METADATA_KEY, PRECISION_KEY, ModelMetadata
 from capserve.runtime.precision import compare_precisions
@@ -453,7 +454,8 @@ def export_int8(
     onnx.checker.check_model(proto)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(proto, str(output))
+    with partial_file(output) as partial:  # a kill or a failure half-way leaves what was there whole
+        onnx.save_model(proto, str(partial))
     return output, report
 
 

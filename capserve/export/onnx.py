@@ -22,7 +22,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,6 +33,7 @@ from torch import Tensor, nn
 import capserve
 from capserve.configs import ModelConfig
 from capserve.errors import ExportError
+from capserve.files import partial_file
 from capserve.hashing import file_sha256
 from capserve.model.capsnet import CapsNet, part_whole
 from capserve.model.checkpoint import WEIGHTS, not_learned_warning
@@ -251,12 +251,8 @@ def export_onnx(
     path.parent.mkdir(parents=True, exist_ok=True)
     # written beside the destination, then renamed over it: an export killed or failing half-way leaves the file a
     # server would load (a new one, or the one there before) whole
-    partial = path.with_name(f".{path.name}.partial")
-    try:
+    with partial_file(path) as partial:
         onnx.save_model(proto, str(partial), save_as_external_data=False)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
     log.info("wrote %s (%s, T=%s, opset %d%s)", path, precision, T, opset, ", explain" if explain else "")
     return path
 

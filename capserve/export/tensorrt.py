@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from capserve.errors import ExportError, RuntimeLoadError
+from capserve.files import partial_file
 from capserve.hashing import sha256_bytes
 from capserve.runtime.metadata import METADATA_KEY, PRECISION_KEY, ModelMetadata
 from capserve.runtime.tensorrt_backend import TENSORRT_MISSING, EngineSidecar, gpu_name, sidecar_path
@@ -175,9 +176,13 @@ def build_engine(
     engine = bytes(serialized)
     engine_path = Path(engine_path)
     engine_path.parent.mkdir(parents=True, exist_ok=True)
-    engine_path.write_bytes(engine)
+    # each file renamed into place once whole: a build killed half-way leaves no partial engine, and an engine whose
+    # sidecar is still the old one fails the runtime's engine_sha256 check instead of loading
+    with partial_file(engine_path) as partial:
+        partial.write_bytes(engine)
     if cache_path is not None:
-        cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
+        with partial_file(cache_path) as partial:
+            partial.write_bytes(bytes(config.get_timing_cache().serialize()))
     sidecar = EngineSidecar(
         tensorrt_version=trt.__version__,
         gpu_name=gpu,
@@ -191,6 +196,7 @@ def build_engine(
         precision=source.precision,
         metadata=source.metadata,
     )
-    sidecar_path(engine_path).write_text(sidecar.to_json())
+    with partial_file(sidecar_path(engine_path)) as partial:
+        partial.write_text(sidecar.to_json())
     log.info("wrote %s and %s", engine_path, sidecar_path(engine_path))
     return engine_path

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +13,7 @@ from torch import Tensor, nn
 
 from capserve.configs import ModelConfig
 from capserve.errors import CheckpointError
+from capserve.files import partial_file
 from capserve.hashing import file_sha256  # noqa: F401  (re-exported: the weights' digest)
 
 log = logging.getLogger(__name__)
@@ -39,58 +37,6 @@ def save_model(model: nn.Module, directory: str | Path, extra: dict[str, Any] | 
     with partial_file(directory / CONFIG) as partial:
         partial.write_text(json.dumps(payload, indent=2) + "\n")
     return directory
-
-
-@contextlib.contextmanager
-def partial_file(path: Path) -> Iterator[Path]:
-    """A hidden sibling of ``path`` to write, renamed over ``path`` once written (removed if the writing fails)."""
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        yield partial
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-
-
-def swap_names(directory: Path) -> tuple[Path, Path]:
-    """The hidden siblings ``replacing_directory`` uses: the folder being written, and the one being replaced."""
-    return directory.with_name(f".{directory.name}.partial"), directory.with_name(f".{directory.name}.old")
-
-
-@contextlib.contextmanager
-def replacing_directory(directory: str | Path) -> Iterator[Path]:
-    """A fresh hidden folder to write a model directory into; it takes ``directory``'s place only once written
-    whole, so a process killed while writing leaves ``directory`` as it was. A directory cannot replace a non-empty
-    one in one rename, so the swap is two (the old one aside, the new one in) and ``recover_directory`` finishes
-    a swap a kill cut between them."""
-    directory = Path(directory)
-    partial, old = swap_names(directory)
-    recover_directory(directory)
-    shutil.rmtree(partial, ignore_errors=True)  # left by a process killed while writing
-    partial.mkdir(parents=True)
-    try:
-        yield partial
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if directory.exists():
-        os.rename(directory, old)
-    os.rename(partial, directory)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def recover_directory(directory: str | Path) -> None:
-    """Finish a ``replacing_directory`` swap a kill interrupted: without ``directory``, the whole one set aside comes
-    back; beside ``directory``, it is the finished swap's leftover and goes."""
-    directory = Path(directory)
-    _, old = swap_names(directory)
-    if not old.exists():
-        return
-    if directory.exists():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(old, directory)
-        log.warning("%s: restored the checkpoint a killed run had set aside", directory)
 
 
 def save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from capserve.configs import list_models
 from capserve.data.augment import AUGMENTATIONS
-from capserve.model.checkpoint import recover_directory
+from capserve.files import recover_directory
 
 SCHEDULES = ("step", "cosine", "onecycle")
 

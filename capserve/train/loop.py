@@ -42,7 +42,8 @@ from capserve.data.splits import Split
 from capserve.evaluate.evaluator import predict_logits, store_thresholds
 from capserve.evaluate.metrics import fit_thresholds
 from capserve.evaluate.plots import plot_curves
-from capserve.model.checkpoint import CONFIG, NOT_LEARNED, replacing_directory, save_model
+from capserve.files import replacing_directory
+from capserve.model.checkpoint import CONFIG, NOT_LEARNED, save_model
 from capserve.model.factory import Model, build_model
 from capserve.model.factory import load as load_model
 from capserve.routing.losses import training_loss

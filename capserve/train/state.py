@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from capserve.configs import get_config, list_models
-from capserve.model.checkpoint import read_config, recover_directory, replacing_directory, save_model, save_tensors
+from capserve.files import recover_directory, replacing_directory
+from capserve.model.checkpoint import read_config, save_model, save_tensors
 from capserve.model.factory import Model
 from capserve.model.factory import load as load_model
 from capserve.train.config import TrainConfig

@@ -108,6 +108,28 @@ def int8_file(tmp_path_factory, three_splits) -> tuple[Path, object]:
     return export_int8(CIFAR10, tmp_path_factory.mktemp("int8") / "model.onnx", three_splits, images=32)
 
 
+def test_a_failed_int8_export_keeps_the_file_that_was_there(int8_file, three_splits, tmp_path, monkeypatch):
+    """A kill or a full disk while an INT8 file goes out leaves the file there before it, whole, and no partial."""
+    import onnx
+
+    path = tmp_path / "model.onnx"
+    shutil.copy(int8_file[0], path)
+    before = path.read_bytes()
+    real_save = onnx.save_model
+
+    def dies_half_way(proto, target, **kw):  # only the file written to the destination's folder
+        real_save(proto, target, **kw)
+        if Path(target).parent == tmp_path:
+            with open(target, "r+b") as f:
+                f.truncate(100)
+            raise OSError("No space left on device")
+
+    monkeypatch.setattr(onnx, "save_model", dies_half_way)
+    with pytest.raises(OSError, match="No space left"):
+        export_int8(CIFAR10, path, three_splits, images=32)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["model.onnx"]
+
+
 def test_the_export_of_a_folder_with_val_and_test_records_the_test_split(int8_file):
     path, report = int8_file
     summary = read_summary(path)

@@ -9,8 +9,9 @@ import torch
 from support.models import tiny_input, tiny_model
 
 import capserve
+from capserve.files import recover_directory, replacing_directory, swap_names
 from capserve.model import checkpoint
-from capserve.model.checkpoint import recover_directory, replacing_directory, save_model, swap_names
+from capserve.model.checkpoint import save_model
 
 
 def test_save_load_round_trip(tmp_path, model_name):

@@ -241,6 +241,29 @@ def test_build_engine_validates_before_tensorrt(tmp_path, onnx_file):
 # --- the builder's and runtime's TensorRT calls, against a stand-in module ------------------------------------
 
 
+def test_a_failed_engine_build_keeps_the_engine_that_was_there(tmp_path, onnx_file, monkeypatch):
+    """A build killed (here: a full disk) while the engine goes out leaves the engine and sidecar there before it."""
+    import pathlib
+
+    import capserve.export.tensorrt as export_trt
+
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt())
+    monkeypatch.setattr(export_trt, "gpu_name", lambda device="cuda": "NVIDIA H200")
+    engine = build_engine(onnx_file, tmp_path / "model.plan")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real_write = pathlib.Path.write_bytes
+
+    def dies_half_way(self, data):
+        real_write(self, data[: len(data) // 2])
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", dies_half_way)
+    with pytest.raises(OSError, match="No space left"):
+        build_engine(onnx_file, engine)
+    monkeypatch.setattr(pathlib.Path, "write_bytes", real_write)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 def test_build_engine_calls(tmp_path, onnx_file, monkeypatch, caplog):
     import capserve.export.tensorrt as export_trt
 
