@@ -31,4 +31,3 @@ def test_a_failed_export_keeps_the_file_that_was_there_and_leaves_no_partial(tmp
     assert [p.name for p in tmp_path.iterdir()] == ["model.onnx"]
     monkeypatch.setattr(onnx, "save_model", real_save)
     onnx.checker.check_model(str(path))
-
