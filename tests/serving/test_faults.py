@@ -13,19 +13,19 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from support.server import free_port, random_png, start_server, stop, upload, wait_ready
+from support.server import (
+    free_port,
+    grace_period,
+    random_png,
+    start_server,
+    stop,
+    stop_under_load,
+    upload,
+    wait_ready,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 IN_FLIGHT = 6  # concurrent requests when the stop comes, each a batch of images
-
-
-def grace_period(manifest: Path) -> int:
-    """The pod's ``terminationGracePeriodSeconds`` (Kubernetes' default 30 when the manifest sets none)."""
-    for doc in yaml.safe_load_all(manifest.read_text()):
-        if doc and doc.get("kind") == "Deployment":
-            return doc["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
-    raise AssertionError(f"no Deployment in {manifest}")
 
 
 def capserve_serve(tmp: Path, model: Path, **env: str) -> tuple[subprocess.Popen, str, Path]:
@@ -48,36 +48,13 @@ def test_sigterm_answers_the_requests_in_flight_then_exits_0_within_the_grace_pe
         proc, url, log = capserve_serve(tmp_path, tiny_cifar10, **env)
     try:
         wait_ready(proc, url, log)
-        images = [("images", ("x.png", random_png(i), "image/png")) for i in range(32)]
-        answers: list[int | str] = []
-        answered_at: list[float] = []
-
-        def send() -> None:
-            try:
-                answers.append(httpx.post(f"{url}/classify_batch", files=images, timeout=120).status_code)
-            except httpx.HTTPError as e:  # a dropped connection, not an answer
-                answers.append(type(e).__name__)
-            answered_at.append(time.monotonic())
-
-        httpx.post(f"{url}/classify", **upload(random_png(0)), timeout=60).raise_for_status()  # warm
-        senders = [threading.Thread(target=send) for _ in range(IN_FLIGHT)]
-        for t in senders:
-            t.start()
-        time.sleep(0.5)  # the requests are accepted and running
-        stopped = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        for t in senders:
-            t.join(timeout=grace)
-        code = proc.wait(timeout=grace)
-        took = time.monotonic() - stopped
+        drain = stop_under_load(proc, url, grace, IN_FLIGHT)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert answers == [200] * IN_FLIGHT, (answers, log.read_text()[-3000:])
-    assert max(answered_at) > stopped, "every request ended before the stop: nothing was in flight"
-    assert code == 0, log.read_text()[-3000:]
-    assert took < grace, f"{took:.1f} s to stop, the pod's grace period is {grace} s"
+        stop(proc)
+    assert drain.answers == [200] * IN_FLIGHT, (drain.answers, log.read_text()[-3000:])
+    assert drain.last_answer > drain.stopped, "every request ended before the stop: nothing was in flight"
+    assert drain.code == 0, log.read_text()[-3000:]
+    assert drain.took < grace, f"{drain.took:.1f} s to stop, the pod's grace period is {grace} s"
     with pytest.raises(httpx.ConnectError):  # a stopped server refuses new connections
         httpx.get(f"{url}/readyz", timeout=5)
 

@@ -853,7 +853,7 @@ def serve_the_built_bento(store: Path, tag: str) -> None:
     """``bentoml serve NAME:VERSION`` with no CAPSERVE_* set serves the models packed in it, with the bento's own
     settings, which BentoML applies only inside a container (else the service looks for models/cifar10 and exits
     with status 3)."""
-    from support.server import free_port
+    from support.server import free_port, grace_period, stop_under_load
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAPSERVE_")}
     env.update(BENTOML_HOME=str(store / "bentoml"), BENTOML_DO_NOT_TRACK="True")
@@ -875,8 +875,12 @@ def serve_the_built_bento(store: Path, tag: str) -> None:
         assert body["multi_label"]["tag"].startswith("capserve-multimnist:"), body
         r = httpx.post(f"{url}/classify", content=GOOD, headers={"content-type": "image/png"}, timeout=60)
         assert r.status_code == 200, r.text
+        grace = grace_period(ROOT / "deploy" / "kubernetes" / "deployment-cpu.yaml")
+        drain = stop_under_load(proc, url, grace)  # a built bento stops as a pod expects, too
     finally:
         stop(proc)
+    assert set(drain.answers) == {200} and drain.last_answer > drain.stopped, drain
+    assert drain.code == 0 and drain.took < grace, drain
 
 
 def test_api_keys_setting(tmp_path):

@@ -8,7 +8,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -158,3 +160,57 @@ def failed_start(tmp: Path, **env: str) -> str:
     assert proc.returncode == 3, f"exit status {proc.returncode}:\n{text[-2000:]}"
     assert "capserve cannot start" in text
     return text
+
+
+@dataclass
+class Drain:
+    """What a SIGTERM under load did: each in-flight request's status (or the error that ended it), when the last
+    one ended, when the signal went, the exit status and how long the stop took."""
+
+    answers: list[int | str]
+    last_answer: float
+    stopped: float
+    code: int | None
+    took: float
+
+
+def stop_under_load(proc: subprocess.Popen, url: str, grace: float, requests: int = 6, images: int = 32) -> Drain:
+    """SIGTERM to a ready server while ``requests`` /classify_batch requests of ``images`` images run, then wait
+    up to ``grace`` seconds (a pod's grace period) for the requests and the exit (killed after that)."""
+    files = [("images", ("x.png", random_png(i), "image/png")) for i in range(images)]
+    answers: list[int | str] = []
+    ended: list[float] = []
+
+    def send() -> None:
+        try:
+            answers.append(httpx.post(f"{url}/classify_batch", files=files, timeout=120).status_code)
+        except httpx.HTTPError as e:  # a dropped connection, not an answer
+            answers.append(type(e).__name__)
+        ended.append(time.monotonic())
+
+    httpx.post(f"{url}/classify", **upload(random_png(0)), timeout=60).raise_for_status()  # warm
+    senders = [threading.Thread(target=send) for _ in range(requests)]
+    for t in senders:
+        t.start()
+    time.sleep(0.5)  # the requests are accepted and running
+    stopped = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    for t in senders:
+        t.join(timeout=grace)
+    try:
+        code = proc.wait(timeout=max(grace - (time.monotonic() - stopped), 1))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        code = None
+    return Drain(answers, max(ended, default=0.0), stopped, code, time.monotonic() - stopped)
+
+
+def grace_period(manifest: Path) -> int:
+    """The pod's ``terminationGracePeriodSeconds`` (Kubernetes' default 30 when the manifest sets none)."""
+    import yaml
+
+    for doc in yaml.safe_load_all(manifest.read_text()):
+        if doc and doc.get("kind") == "Deployment":
+            return doc["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+    raise AssertionError(f"no Deployment in {manifest}")
