@@ -2,7 +2,7 @@
 one method per endpoint, answers as the ``schemas``), ``RequestGuard`` (the ASGI middleware in front of BentoML)
 and ``setup_server`` (the service module's import-time work). Everything else is imported from its own module:
 ``settings``, ``sources``, ``batching``, ``cores``, ``workers``, ``routes``, ``openapi``, ``process``, ``answers``,
-``explain``. BentoML is imported only inside the functions that need it.
+``explain``, ``ui``. BentoML is imported only inside the functions that need it.
 """
 
 from __future__ import annotations
@@ -10,15 +10,19 @@ from __future__ import annotations
 from capserve.serving.app import Capsules, RequestError
 from capserve.serving.guard import GUARDED_UPLOAD, RequestGuard
 from capserve.serving.process import ServerSetup, count_worker_start, freeze_startup_heap, setup_server
+from capserve.serving.routes import UI_ROUTE
 from capserve.serving.schemas import Classification, Explained, MultiLabel
 from capserve.serving.settings import Settings
+from capserve.serving.ui import PageApp
 
 __all__ = [
     "GUARDED_UPLOAD",
+    "UI_ROUTE",
     "Capsules",
     "Classification",
     "Explained",
     "MultiLabel",
+    "PageApp",
     "RequestError",
     "RequestGuard",
     "ServerSetup",

@@ -34,11 +34,11 @@ from capserve.serving.batching import (
     batch_size_histogram,
 )
 from capserve.serving.cores import CoreLending
-from capserve.serving.explain import heatmap_png, selectivity, vs_uniform
+from capserve.serving.explain import Occlusion, heatmap_png, occlusion, occlusion_png, selectivity, vs_uniform
 from capserve.serving.guard import remember_error
 from capserve.serving.process import leave_failed_worker, report_failed_start
 from capserve.serving.routes import ARRAY_ROUTES, NO_MULTILABEL_MODEL
-from capserve.serving.schemas import Capsule, Classification, Explained, MultiLabel
+from capserve.serving.schemas import Capsule, Classification, Explained, MultiLabel, Occluded
 from capserve.serving.settings import Settings
 from capserve.serving.sources import EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model
 from capserve.serving.workers import Worker, assign
@@ -332,7 +332,14 @@ class Capsules:
             with self.cores.running():
                 return explainer.explain(x)
 
+        def occlude() -> Occlusion:  # every occluded copy in one call, split into the server's batches
+            def logits_of(copies: np.ndarray) -> np.ndarray:
+                return self.predict(self.runtime, copies, batch_size=self.settings.max_batch_size)
+
+            return occlusion(pixels, np.asarray(self.runtime.metadata.mean), logits_of)
+
         explanation = await self.run(run)
+        occluded = await self.run(occlude)
         probabilities = softmax(explanation.logits)[0]  # (C,)
         c = int(probabilities.argmax())
         C = len(meta.labels)
@@ -351,6 +358,7 @@ class Capsules:
         ]
         grid = routing.mean(axis=-1)  # (H, W)
         png = await self.run(heatmap_png, pixels, vs_uniform(grid, C))
+        occlusion_map = await self.run(occlusion_png, pixels, occluded)
         return Explained(
             model=meta.name,
             iterations=meta.iterations,
@@ -360,6 +368,16 @@ class Capsules:
             grid=grid.tolist(),
             capsules=top,
             heatmap_png=base64.b64encode(png).decode(),
+            occlusion=Occluded(
+                probability=occluded.probability,
+                log_odds=occluded.log_odds,
+                window=occluded.patch,
+                starts=occluded.starts,
+                probabilities=occluded.probabilities.tolist(),
+                drop=occluded.drop.tolist(),
+                forward_passes=occluded.forward_passes,
+                heatmap_png=base64.b64encode(occlusion_map).decode(),
+            ),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -388,6 +406,7 @@ class Capsules:
             "device": self.worker.device,
             "threads": self.worker.threads,
             "lone_request_threads": self.cores.threads,
+            "ui": s.ui,
             "single_label": model(self.runtime, self.source),
             "multi_label": model(self.multilabel_runtime, self.multilabel_source),
             "explain": model(self.explainer, self.source),

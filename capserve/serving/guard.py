@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------- request guard (ASGI)
 
 
-def _json_response(status: int, message: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def json_response(status: int, message: str) -> tuple[dict[str, Any], dict[str, Any]]:
     body = json.dumps({"error": message}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     start = {"type": "http.response.start", "status": status, "headers": headers}
@@ -272,7 +272,7 @@ class RequestGuard:
 
     @staticmethod
     async def _reply(send: Any, status: int, message: str, headers: list | None = None) -> None:
-        start, body = _json_response(status, message)
+        start, body = json_response(status, message)
         start["headers"] += headers or []
         await send(start)
         await send(body)
@@ -443,7 +443,7 @@ def one_error_shape(scope: dict, send: Any) -> Any:
         reason = known.get("message") or error_message(status, held_body)  # BentoML hides 5xx messages
         level = logging.WARNING if status < 500 or status in EXPECTED_SERVER_STATES else logging.ERROR
         log.log(level, "%s %s %d %s", scope["method"], scope["path"], status, reason)
-        start, body = _json_response(status, reason)
+        start, body = json_response(status, reason)
         start["headers"] += [
             (k, v) for k, v in held_start.get("headers", []) if k.lower() not in (b"content-type", b"content-length")
         ]

@@ -46,4 +46,9 @@ LIST_FIELDS = frozenset({"images"})  # file fields that take a list of images (t
 ARRAY_ROUTES = {"/logits": False, "/multilabel_logits": True}  # the pixel-tensor routes → multilabel
 
 
-OPEN_ROUTES = ("/livez", "/readyz", "/metrics")  # answered without an API key: probes and Prometheus scrapes
+UI_ROUTE = "/ui"  # the web page (capserve.serving.ui), unless CAPSERVE_UI=0
+
+
+# answered without an API key: probes, Prometheus scrapes and the web page, which holds no data (its calls to the API
+# send the key the person types into it)
+OPEN_ROUTES = ("/livez", "/readyz", "/metrics", UI_ROUTE)

@@ -41,6 +41,22 @@ class Capsule(BaseModel):
     vs_uniform: float = Field(description="routing_probability as a multiple of uniform routing (1/classes)")
 
 
+class Occluded(BaseModel):
+    probability: float = Field(description="the predicted class's probability on the whole image")
+    log_odds: float = Field(description="its log-odds, log p − log(1 − p), on the whole image")
+    window: int = Field(description="side of each greyed square, in pixels of the model's input")
+    starts: list[int] = Field(description="first row (and column) of each window, in pixels of the model's input")
+    probabilities: list[list[float]] = Field(description="the class's probability with window (row, col) greyed")
+    drop: list[list[float]] = Field(
+        description="fall of the class's log-odds when window (row, col) is greyed; > 0: evidence for the class"
+    )
+    forward_passes: int = Field(description="forward passes this map cost: windows² + 1")
+    heatmap_png: str = Field(
+        description="base64 PNG: the drop per pixel over the input on a fixed scale (none: the image as it is; "
+        "the whole image's log-odds, a coin toss left: full red)"
+    )
+
+
 class Explained(BaseModel):
     model: str
     iterations: int
@@ -52,6 +68,9 @@ class Explained(BaseModel):
     heatmap_png: str = Field(
         description="base64 PNG: the grid vs uniform on a fixed log scale (1/4× blue, uniform "
         "pale, 4× red) over the input"
+    )
+    occlusion: Occluded = Field(
+        description="occlusion sensitivity: where greying the image lowers the predicted class (served model's runtime)"
     )
 
 
@@ -120,6 +139,7 @@ class ServerDescription(BaseModel):
         description="threads a lone request may run on: every worker's when "
         "several CPU workers lend each other idle cores, else this worker's",
     )
+    ui: bool = Field(description="whether the web page is served at /ui (CAPSERVE_UI)")
     single_label: ServedModel
     multi_label: ServedModel | None
     explain: ServedModel | None

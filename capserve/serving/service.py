@@ -18,10 +18,12 @@ from pydantic import Field
 
 from capserve.serving import (
     GUARDED_UPLOAD,
+    UI_ROUTE,
     Capsules,
     Classification,
     Explained,
     MultiLabel,
+    PageApp,
     RequestGuard,
     count_worker_start,
     freeze_startup_heap,
@@ -93,4 +95,6 @@ class CapsuleService:
         return self.capsules.describe()
 
 
+if SERVER.settings.ui:  # the web page (capserve.serving.ui); CAPSERVE_UI=0 leaves /ui a 404
+    CapsuleService.mount_asgi_app(PageApp(), path=UI_ROUTE)
 CapsuleService.add_asgi_middleware(RequestGuard, **SERVER.guard_options(CapsuleService.apis))

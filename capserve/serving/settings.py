@@ -52,6 +52,7 @@ class Settings:
     workers: int | None = DEFAULT_WORKERS  # server processes (capserve.serving.workers); None: "auto"
     threads: int | None = None  # intra-op threads per worker; None: the worker's share of the cores
     access_log: bool = False  # BentoML's access log line per request (it costs the event loop: off)
+    ui: bool = True  # the web page at /ui (capserve.serving.ui); False: /ui is a 404
     # the keys a caller may send as ``Authorization: Bearer KEY``; empty: the server is open (repr=False: never logged)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
 
@@ -76,6 +77,7 @@ class Settings:
             precision=env.get("CAPSERVE_PRECISION", "").strip().lower() or d.precision,
             bf16_min_agreement=_fraction(env, "CAPSERVE_BF16_MIN_AGREEMENT", d.bf16_min_agreement),
             access_log=_flag(env, "CAPSERVE_ACCESS_LOG", d.access_log),
+            ui=_flag(env, "CAPSERVE_UI", d.ui),
             workers=_workers(env, d.workers),
             threads=_int(env, "CAPSERVE_THREADS", None, 1),
             api_keys=api_keys(env.get("CAPSERVE_API_KEYS", "")),

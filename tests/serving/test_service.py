@@ -195,6 +195,55 @@ def test_explain_matches_the_routing_trace(server, eager):
     assert heatmap.format == "PNG" and heatmap.size == (256, 256)
 
 
+def test_explain_occlusion_follows_the_model_as_each_window_is_greyed(server, eager):
+    """The occlusion map equals eager torch's log-odds of the predicted class with each window greyed, computed here
+    from the windows the answer names; its cost is the documented 4² + 1 forward passes."""
+    data = random_png(7)
+    body = server.post("/explain", **upload(data)).json()
+    occlusion = body["occlusion"]
+    model = eager["cifar10"]
+    pixels = np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).transpose(2, 0, 1)  # (C, H, W): already 32×32
+    grey = np.round(np.asarray(model.config.mean) * 255).astype(np.uint8)
+    w, starts = occlusion["window"], occlusion["starts"]
+    assert w == 8 and starts == [0, 8, 16, 24] and occlusion["forward_passes"] == 17
+    copies = [pixels]
+    for r in starts:
+        for c in starts:
+            copy = pixels.copy()
+            copy[:, r : r + w, c : c + w] = grey[:, None, None]
+            copies.append(copy)
+    x = (np.stack(copies).astype(np.float32) / 255 - np.asarray(model.config.mean, np.float32)[:, None, None]) / (
+        np.asarray(model.config.std, np.float32)[:, None, None]
+    )
+    with torch.inference_mode():
+        z = model(torch.from_numpy(x)).double().numpy()  # (17, C)
+    c = body["prediction"]["index"]
+    assert int(z[0].argmax()) == c
+    log_odds = z[:, c] - np.log(np.exp(np.delete(z, c, axis=1)).sum(axis=1))  # (17,)
+    assert occlusion["log_odds"] == pytest.approx(log_odds[0], abs=1e-3)
+    np.testing.assert_allclose(occlusion["drop"], (log_odds[0] - log_odds[1:]).reshape(4, 4), atol=1e-3)
+    np.testing.assert_allclose(occlusion["probabilities"], (1 / (1 + np.exp(-log_odds[1:]))).reshape(4, 4), atol=1e-5)
+    overlay = Image.open(io.BytesIO(base64.b64decode(occlusion["heatmap_png"])))
+    assert overlay.format == "PNG" and overlay.size == (256, 256)
+
+
+def test_the_occlusion_map_is_drawn_on_a_fixed_scale():
+    """No drop leaves the image as it is; a window whose greying takes away the whole lead is full red; a drop that
+    is small against the lead stays faint (never stretched to full colour)."""
+    from capserve.serving.explain import RAMP, Occlusion, occlusion_png
+
+    image = np.full((3, 4, 4), 100, np.uint8)
+
+    def colours(drop: float) -> np.ndarray:
+        occluded = Occlusion(3, 0.99, 6.0, 4, [0], np.zeros((1, 1)), np.full((1, 1), drop), np.full((4, 4), drop), 2)
+        return np.asarray(Image.open(io.BytesIO(occlusion_png(image, occluded, scale=1, alpha=1.0))), dtype=float)
+
+    np.testing.assert_allclose(colours(0.0), 100, atol=1)
+    np.testing.assert_allclose(colours(6.0)[0, 0], RAMP[-1], atol=1)
+    faint = colours(0.06)[0, 0]
+    assert np.abs(faint - 100).max() < 0.02 * 255 + 1, faint
+
+
 def test_heatmap_has_a_fixed_scale_relative_to_uniform():
     """The shipped CIFAR-10 model's grid spans 0.0998-0.1013 for 10 classes: it must look uniform (pale), not be
     stretched to full colour; routing four times uniform is full red, a quarter is full blue."""
