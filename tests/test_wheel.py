@@ -133,6 +133,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
         assert r.json()["model"] == "cifar10-resnet" and len(r.json()["predictions"]) == 5
         described = httpx.get(f"{url}/model", timeout=30).json()
         assert described["single_label"]["name"] == "cifar10-resnet" and described["multi_label"] is None
+        assert "<title>capserve</title>" in httpx.get(f"{url}/ui/", timeout=30).text  # the page is package data
         default = worker_count(Settings())  # CAPSERVE_WORKERS unset: auto, 2 workers on 2 cores or more
         assert described["workers"] == default, described
         assert described["lone_request_threads"] == described["threads"] * default  # idle cores are lent

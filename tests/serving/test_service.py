@@ -893,6 +893,8 @@ def test_bentoml_build(store, bentofile, name, device):
     src = bento.parent / "src"
     assert (src / "service.py").is_file() and (src / "capserve" / "serving" / "service.py").is_file()
     assert (src / "capserve" / "export" / "onnx.py").is_file()  # the exporter ships inside the package
+    assert (src / "capserve" / "serving" / "ui" / "index.html").is_file()  # the web page, with its examples
+    assert len(list((src / "capserve" / "serving" / "ui" / "examples").glob("*.png"))) >= 4
     assert not (bento.parent / "src" / "models").exists()  # models come from the store, not the source tree
     if device == "cpu":
         serve_the_built_bento(store, f"{name}:{bento.parent.name}")
@@ -924,6 +926,9 @@ def serve_the_built_bento(store: Path, tag: str) -> None:
         assert body["multi_label"]["tag"].startswith("capserve-multimnist:"), body
         r = httpx.post(f"{url}/classify", content=GOOD, headers={"content-type": "image/png"}, timeout=60)
         assert r.status_code == 200, r.text
+        assert body["ui"] is True and "<title>capserve</title>" in httpx.get(f"{url}/ui/", timeout=30).text
+        explained = httpx.post(f"{url}/explain", content=GOOD, headers={"content-type": "image/png"}, timeout=60)
+        assert explained.status_code == 200 and explained.json()["occlusion"]["forward_passes"] == 17, explained.text
         grace = grace_period(ROOT / "deploy" / "kubernetes" / "deployment-cpu.yaml")
         drain = stop_under_load(proc, url, grace)  # a built bento stops as a pod expects, too
     finally:
