@@ -97,7 +97,7 @@ def install_size(have: str) -> dict:
     sizes = {}
     for key in closure("gradio", set()):
         dist = metadata.distribution(key)
-        sizes[key] = sum((dist.locate_file(f).stat().st_size for f in dist.files or [] if dist.locate_file(f).exists()))
+        sizes[key] = sum(dist.locate_file(f).stat().st_size for f in dist.files or [] if dist.locate_file(f).exists())
     new = {k: v for k, v in sizes.items() if k not in present}
     return {
         "packages": len(sizes),
@@ -127,7 +127,9 @@ def browse(url: str) -> dict:
     return {
         "requests": len(entries),
         "KiB": round(sum(size for _, size in entries) / 1024, 1),
-        "requests_elsewhere": sorted({re.match(r"https?://[^/]+", n).group(0) for n, _ in entries if not n.startswith((host, "data:", "blob:"))}),
+        "requests_elsewhere": sorted(
+            {re.match(r"https?://[^/]+", n).group(0) for n, _ in entries if not n.startswith((host, "data:", "blob:"))}
+        ),
         "blocked_elsewhere": len(failed),
         "s_to_load_plus_3": round(time.perf_counter() - start, 2),
     }
