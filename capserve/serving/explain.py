@@ -155,12 +155,13 @@ def occlusion(
 def occlusion_png(image: np.ndarray, occluded: Occlusion, scale: int = 8, alpha: float = 0.7) -> bytes:
     """A PNG of ``occluded.pixels`` over ``image`` uint8 (C, H, W), on a FIXED scale: a pixel is coloured by how much
     of the class's lead greying its windows took away, its log-odds drop over the whole image's log-odds (at least
-    ``OCCLUSION_FULL_SCALE``): none, the image as it is; all of it (a coin toss left), full red. A drop that is small
-    against the lead stays faint: the picture is never stretched to full colour."""
+    ``OCCLUSION_FULL_SCALE``), on a square-root scale (a quarter of the lead shows at half strength): none, the image
+    as it is; all of it (a coin toss left), full red. A drop that is small against the lead stays faint: the picture
+    is never stretched to full colour."""
     from PIL import Image
 
     C, H, W = image.shape
-    share = np.clip(occluded.pixels / max(occluded.log_odds, OCCLUSION_FULL_SCALE), 0, 1)  # (H, W)
+    share = np.sqrt(np.clip(occluded.pixels / max(occluded.log_odds, OCCLUSION_FULL_SCALE), 0, 1))  # (H, W)
     size = (W * scale, H * scale)
     share = np.asarray(Image.fromarray(share.astype(np.float32), "F").resize(size, Image.Resampling.NEAREST))
     warm = RAMP[len(RAMP) // 2 - 1 :]  # pale → red: the warm half of the routing ramp
