@@ -74,7 +74,7 @@ OCCLUSION_WINDOWS = 4
 OCCLUSION_PATCH_FRACTION = 4  # a window's side is the input's side divided by this
 
 
-OCCLUSION_FULL_SCALE = 1.0  # the least log-odds drop drawn full red, for a class predicted without a lead
+OCCLUSION_FULL_SCALE = 1.0  # the least log-odds drop drawn full red, for a class predicted without a margin
 
 
 @dataclass(frozen=True)
@@ -154,9 +154,9 @@ def occlusion(
 
 def occlusion_png(image: np.ndarray, occluded: Occlusion, scale: int = 8, alpha: float = 0.7) -> bytes:
     """A PNG of ``occluded.pixels`` over ``image`` uint8 (C, H, W), on a FIXED scale: a pixel is coloured by how much
-    of the class's lead greying its windows took away, its log-odds drop over the whole image's log-odds (at least
-    ``OCCLUSION_FULL_SCALE``), on a square-root scale (a quarter of the lead shows at half strength): none, the image
-    as it is; all of it (a coin toss left), full red. A drop that is small against the lead stays faint: the picture
+    of the class's margin greying its windows took away, its log-odds drop over the whole image's log-odds (at least
+    ``OCCLUSION_FULL_SCALE``), on a square-root scale (a quarter of the margin shows at half strength): none, the image
+    as it is; all of it (a coin toss left), full red. A drop that is small against the margin stays faint: the picture
     is never stretched to full colour."""
     from PIL import Image
 

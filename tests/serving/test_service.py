@@ -228,8 +228,8 @@ def test_explain_occlusion_follows_the_model_as_each_window_is_greyed(server, ea
 
 
 def test_the_occlusion_map_is_drawn_on_a_fixed_scale():
-    """No drop leaves the image as it is; a window whose greying takes away the whole lead is full red; a drop that
-    is small against the lead stays faint (never stretched to full colour), a quarter of it shows at half strength."""
+    """No drop leaves the image as it is; a window whose greying takes away the whole margin is full red; a drop that
+    is small against the margin stays faint (never stretched to full colour), a quarter of it shows at half strength."""
     from capserve.serving.explain import RAMP, Occlusion, occlusion_png
 
     image = np.full((3, 4, 4), 100, np.uint8)
@@ -240,9 +240,9 @@ def test_the_occlusion_map_is_drawn_on_a_fixed_scale():
 
     np.testing.assert_allclose(colours(0.0), 100, atol=1)
     np.testing.assert_allclose(colours(6.0)[0, 0], RAMP[-1], atol=1)
-    faint = colours(0.006)[0, 0]  # a thousandth of the lead: √0.001 ≈ 3 % of full strength
+    faint = colours(0.006)[0, 0]  # a thousandth of the margin: √0.001 ≈ 3 % of full strength
     assert np.abs(faint - 100).max() < 0.05 * 255, faint
-    half = colours(1.5)[0, 0]  # a quarter of the lead: half strength
+    half = colours(1.5)[0, 0]  # a quarter of the margin: half strength
     np.testing.assert_allclose(half, 0.5 * 100 + 0.5 * RAMP[5], atol=1)  # half way along pale (RAMP[3]) → red
 
 
