@@ -27,7 +27,11 @@ CIFAR10_LABELS = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog"
 
 
 def test_the_page_is_one_file_that_loads_nothing_from_elsewhere(tiny_cifar10, tmp_path):
-    with in_process_service(tmp_path, CAPSERVE_MODEL=str(tiny_cifar10), CAPSERVE_MULTILABEL_MODEL="none") as client:
+    """...and needs no key itself (it holds no data), where the API it calls does."""
+    with in_process_service(
+        tmp_path, CAPSERVE_MODEL=str(tiny_cifar10), CAPSERVE_MULTILABEL_MODEL="none", CAPSERVE_API_KEYS=KEY
+    ) as client:
+        assert client.get("/model").status_code == 401
         page = client.get("/ui/")
         assert page.status_code == 200, page.text
         assert page.headers["content-type"].startswith("text/html")
@@ -37,7 +41,7 @@ def test_the_page_is_one_file_that_loads_nothing_from_elsewhere(tiny_cifar10, tm
         assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//", html), "the page loads something from elsewhere"
         assert not re.search(r"@import|url\(", html)
         assert html.count('"src": "data:image/png;base64,') >= 4  # the bundled examples, inlined
-        assert client.get("/model").json()["ui"] is True
+        assert client.get("/model", headers={"Authorization": f"Bearer {KEY}"}).json()["ui"] is True
         refused = client.post("/ui/", content=b"x")
         assert refused.status_code == 405 and list(refused.json()) == ["error"]
 
