@@ -146,7 +146,7 @@ class Capsules:
             }
             if settings.api_keys:
                 log.info(
-                    "API keys: %d; every route but /livez, /readyz and /metrics needs 'Authorization: Bearer KEY'",
+                    "API keys: %d; every route but /livez, /readyz, /metrics and /ui needs 'Authorization: Bearer KEY'",
                     len(settings.api_keys),
                 )
             else:
