@@ -67,7 +67,8 @@ def heatmap_png(image: np.ndarray, grid: np.ndarray, scale: int = 8, alpha: floa
 # ---------------------------------------------------------------------------- occlusion sensitivity
 
 # Occlusion windows per side: a square of a quarter of the input's side, at this many evenly spaced positions along
-# each axis, so each /explain costs OCCLUSION_WINDOWS² + 1 forward passes whatever the model (docs/serving.md).
+# each axis, so each /explain costs OCCLUSION_WINDOWS² + 1 forward passes whatever the model. A finer grid of
+# overlapping windows costs more passes and landed no better on the objects (docs/web-page.md, "Explanations").
 OCCLUSION_WINDOWS = 4
 
 

@@ -1,4 +1,6 @@
-"""TODO docstring."""
+"""The HTTP service against one real ``bentoml serve`` of tiny random-weight models: answers equal eager torch
+(predictions, batches, multi-label thresholds, the routing parse and the occlusion map of ``/explain``), every README
+error row, start-up failures, the model store and the built bentos."""
 
 from __future__ import annotations
 
