@@ -132,12 +132,16 @@ def test_the_page_labels_a_real_cifar10_image(page, browser, tmp_path):
 
 @pytest.mark.slow
 def test_the_page_asks_for_a_key_and_keeps_it_in_memory_only(page, browser):
+    """A wrong key is refused with the server's message; the right one serves the page's calls (a bundled example);
+    nothing stores it, and a reload forgets it."""
     open_with_key(browser, page, key="not-the-key-0000")
     wait_for(browser, lambda: "not valid" in text(browser, "key-message"))
     assert shown(browser, "key-panel")
     browser.find_element("id", "api-key").send_keys(KEY)
     browser.find_element("id", "key-save").click()
     wait_for(browser, lambda: not shown(browser, "key-panel"))
+    browser.find_element("css selector", '#examples button[data-name="cat"]').click()  # a bundled example, with the key
+    wait_for(browser, lambda: text(browser, "answer") == "cat")
     assert browser.execute_script("return localStorage.length + sessionStorage.length + document.cookie.length") == 0
     browser.get(page)  # a reload forgets the key
     wait_for(browser, lambda: shown(browser, "key-panel"))
