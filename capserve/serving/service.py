@@ -86,7 +86,8 @@ class CapsuleService:
 
     @bentoml.api
     async def explain(self, image: ImageFile, capsules: Annotated[int, Field(ge=1, le=1000)] = 10) -> Explained:
-        """The prediction and its part-whole parse: routing to the class, per capsule, vs uniform routing."""
+        """The prediction, its part-whole parse (routing to the class, per capsule, vs uniform routing) and its
+        occlusion map (the class's log-odds as each window of the image is greyed)."""
         return await self.capsules.explain(image, capsules)
 
     @bentoml.api(route="/model")
