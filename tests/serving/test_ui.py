@@ -93,6 +93,23 @@ def shown(browser, element_id: str) -> bool:
     return browser.find_element("id", element_id).is_displayed()
 
 
+# Drops (or pastes) the bundled example arguments[1] as a PNG file, as a person's drag or Ctrl+V hands it over.
+HAND_OVER = """
+const [event, name] = arguments;
+const example = [...document.querySelectorAll('#examples img')].find((img) => img.alt === name);
+fetch(example.src).then((r) => r.blob()).then((blob) => {
+  const files = new DataTransfer();
+  files.items.add(new File([blob], name + '.png', {type: 'image/png'}));
+  const init = {bubbles: true, cancelable: true};
+  if (event === 'drop') {
+    document.getElementById('drop').dispatchEvent(new DragEvent('drop', {...init, dataTransfer: files}));
+  } else {
+    document.dispatchEvent(new ClipboardEvent('paste', {...init, clipboardData: files}));
+  }
+});
+"""
+
+
 def open_with_key(browser, page: str, key: str = KEY) -> None:
     """Load the page afresh (which forgets any key) and type ``key`` into its prompt."""
     browser.get(page)
@@ -132,8 +149,8 @@ def test_the_page_labels_a_real_cifar10_image(page, browser, tmp_path):
 
 @pytest.mark.slow
 def test_the_page_asks_for_a_key_and_keeps_it_in_memory_only(page, browser):
-    """A wrong key is refused with the server's message; the right one serves the page's calls (a bundled example);
-    nothing stores it, and a reload forgets it."""
+    """A wrong key is refused with the server's message; the right one serves the page's calls (a bundled example
+    clicked, dropped and pasted); nothing stores it, and a reload forgets it."""
     open_with_key(browser, page, key="not-the-key-0000")
     wait_for(browser, lambda: "not valid" in text(browser, "key-message"))
     assert shown(browser, "key-panel")
@@ -142,6 +159,9 @@ def test_the_page_asks_for_a_key_and_keeps_it_in_memory_only(page, browser):
     wait_for(browser, lambda: not shown(browser, "key-panel"))
     browser.find_element("css selector", '#examples button[data-name="cat"]').click()  # a bundled example, with the key
     wait_for(browser, lambda: text(browser, "answer") == "cat")
+    for event, name in (("drop", "ship"), ("paste", "airplane")):  # an image dropped on the box, one pasted
+        browser.execute_script(HAND_OVER, event, name)
+        wait_for(browser, lambda name=name: text(browser, "answer") == name)
     assert browser.execute_script("return localStorage.length + sessionStorage.length + document.cookie.length") == 0
     browser.get(page)  # a reload forgets the key
     wait_for(browser, lambda: shown(browser, "key-panel"))
