@@ -49,6 +49,9 @@ EPOCHS = {
     "glyphs": 3,
     "shapes": 4,
     "overlap": 2,
+    "placed-letters": 5,
+    "arrows": 4,
+    "cifar-grey": 4,
 }
 
 

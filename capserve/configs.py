@@ -360,9 +360,12 @@ MODELS: dict[str, ModelConfig] = {
     for c in (
         ModelConfig("cifar10-resnet", CIFAR10_LABELS, capsules=_cifar_layers()),
         ModelConfig("cifar10-simple", CIFAR10_LABELS, backbone="simple", capsules=_cifar_layers()),
-        # cifar10-simple's capsules on three conv + BatchNorm layers instead of one conv: the default for a user's
-        # own images, where one conv's features left the capsules far behind a plain CNN (docs/own-data.md)
-        ModelConfig("cifar10-conv", CIFAR10_LABELS, backbone="conv", capsules=_cifar_layers()),
+        # the default for a user's own images (docs/own-data.md): cifar10-simple's capsules on three conv + BatchNorm
+        # layers instead of one conv, whose features left the capsules far behind a plain CNN; and capsule
+        # activations, so that a child with nothing to say (background, clutter) can fall silent: a LayerNorm'd pose
+        # has the same size wherever it lies, and without a gate every position votes in full. Training on your own
+        # images picks its class_weights from the data (capserve.data.placement).
+        ModelConfig("cifar10-conv", CIFAR10_LABELS, backbone="conv", capsules=_cifar_layers(), activations=True),
         ModelConfig("cifar100-resnet", CIFAR100_LABELS, pose_dim=36, capsules=_cifar_layers((20,))),
         ModelConfig("cifar100-simple", CIFAR100_LABELS, backbone="simple", pose_dim=36, capsules=_cifar_layers((20,))),
         ModelConfig("multimnist-matrix", pose="matrix", **_MULTIMNIST),

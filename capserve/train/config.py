@@ -55,9 +55,10 @@ DEFAULT_WEIGHT_DECAY = {"sgd": 5e-4, "adam": 5e-4, "adamw": 5e-2}
 AUTO_RECIPE = {"builtin": ("sgd", "step"), "own": ("adamw", "onecycle")}
 
 
-# The batch without --batch-size: the authors' 128 for the built-in data sets; 64 for a user's images, whose few
-# thousand images make few steps per epoch (short runs learn from the number of steps, not of epochs)
-AUTO_BATCH_SIZE = {"builtin": 128, "own": 64}
+# The batch without --batch-size: the authors' 128 for the built-in data sets; 32 for a user's images, whose few
+# thousand images make few steps per epoch (short runs learn from the number of steps, not of epochs: the battery in
+# docs/own-data.md)
+AUTO_BATCH_SIZE = {"builtin": 128, "own": 32}
 
 
 @dataclass

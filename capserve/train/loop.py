@@ -36,6 +36,7 @@ from capserve.data.own import (
     scan,
     with_validation,
 )
+from capserve.data.placement import measure_placement
 from capserve.data.preprocess import data_mean_std, normalize
 from capserve.data.progress import progress_bar
 from capserve.data.splits import Split
@@ -188,6 +189,20 @@ def model_to_train(cfg: TrainConfig, manifest: Manifest | None = None) -> Model:
     return build_model(dataclasses.replace(config, extra={**config.extra, "data": data, "name": name}))
 
 
+def chooses_class_weights(cfg: TrainConfig, config: ModelConfig, resume: str | Path | None) -> bool:
+    """Whether a run picks its class capsule transforms from its data (``capserve.data.placement``): a new run from
+    scratch on a user's images, of an attention capsule model whose class layer reads a grid, without
+    ``--set class_weights=...``."""
+    return (
+        resume is None
+        and not cfg.init
+        and "class_weights" not in cfg.overrides
+        and config.has_routing
+        and config.routing_algorithm == "attention"
+        and (not config.capsules or config.capsules[-1].kind == "conv")
+    )
+
+
 def load_own_training(
     manifest: Manifest, model: Model, out: Path, d: Dist, device: torch.device
 ) -> tuple[Data, Split | None, int]:
@@ -277,6 +292,13 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
     skipped, test_split = 0, None
     if manifest is not None:
         data, test_split, skipped = load_own_training(manifest, model, out, d, device)
+        if chooses_class_weights(cfg, model.config, resume):
+            placement = measure_placement(data.train.images, data.train.targets, cfg.seed)
+            # recorded in train_config.json's overrides, so that --resume rebuilds the same model
+            cfg = dataclasses.replace(cfg, overrides={**cfg.overrides, "class_weights": placement.class_weights})
+            model = model_to_train(cfg, manifest)
+            if d.main:
+                log.info("class capsule transforms: %s (%s)", placement.class_weights, placement.reason())
     else:
         data = load_training(dataset, cfg.data, val_size_of(cfg, own=False), cfg.epoch_size, device)
     if data.epoch_size < cfg.batch_size and not batch_given and data.epoch_size >= d.world:

@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from capserve.train.config import TrainConfig
 from support.models import tiny_overrides
@@ -87,3 +88,32 @@ def cfg(model: str, data: Path, out: Path, **kw) -> TrainConfig:
         overrides=tiny_overrides(model), epochs=2, batch_size=16, lr=0.05, val_size=12, eval_batch_size=32, device="cpu"
     )
     return TrainConfig(model=model, data=str(data), out=str(out), **{**base, **kw})
+
+
+MARKS = ("square", "plus", "cross")  # three 6×6 marks a small canvas can hold anywhere
+
+
+def mark_pixels(kind: str) -> np.ndarray:
+    """A 6×6 boolean mask: a hollow square, a plus or an X."""
+    mask = np.zeros((6, 6), bool)
+    if kind == "square":
+        mask[[0, -1], :] = mask[:, [0, -1]] = True
+    elif kind == "plus":
+        mask[2:4, :] = mask[:, 2:4] = True
+    else:
+        mask[np.arange(6), np.arange(6)] = mask[np.arange(6), 5 - np.arange(6)] = True
+    return mask
+
+
+def write_marks(root: Path, per_label: int, rng: np.random.Generator, placed: bool, side: int = 24) -> Path:
+    """A folder of label folders (``MARKS``): one mark on grey noise, anywhere on the canvas (``placed``), or each
+    label's mark always at the same place, the centre."""
+    for kind in MARKS:
+        (root / kind).mkdir(parents=True)
+        mask = mark_pixels(kind)
+        for i in range(per_label):
+            pixels = rng.integers(0, 90, (side, side)).astype(np.uint8)
+            y, x = rng.integers(0, side - 5, 2) if placed else ((side - 6) // 2,) * 2
+            pixels[y : y + 6, x : x + 6][mask] = 255
+            Image.fromarray(pixels).save(root / kind / f"{i}.png")
+    return root

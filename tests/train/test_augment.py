@@ -129,7 +129,7 @@ def test_own_data_records_the_policy_and_its_own_mean_std(tmp_path, colour, flag
     summary = train(config(data, out, augment=flag))
     recorded = json.loads((out / "train_config.json").read_text())
     assert recorded["augment"] == expected and summary["augment"] == expected
-    # a user's images: AdamW with its decoupled decay, one-cycle, batch 64 unless given (this test gives 8)
+    # a user's images: AdamW with its decoupled decay, one-cycle, batch 32 unless given (this test gives 8)
     assert (recorded["optimizer"], recorded["weight_decay"], recorded["schedule"]) == ("adamw", 5e-2, "onecycle")
     best = capserve.read_config(out / "best")
     assert json.loads((out / "best" / "config.json").read_text())["training"]["recipe"]["augment"] == expected
@@ -238,7 +238,7 @@ def test_bad_augment_is_refused(tmp_path, capsys):
 
 def test_auto_recipe_by_data_and_given_values_reach_the_optimizer(tmp_path, capsys):
     """The "auto" optimizer keeps the authors' SGD recipe for the built-in data sets and trains a user's images with
-    AdamW (its decoupled decay; none on biases and norms), one-cycle and batch 64; every value given wins."""
+    AdamW (its decoupled decay; none on biases and norms), one-cycle and batch 32; every value given wins."""
     base = TrainConfig(model="cifar10-simple", data="d", out="o")
     builtin, own = resolve_recipe(base, own_data=False), resolve_recipe(base, own_data=True)
     assert (
@@ -255,7 +255,7 @@ def test_auto_recipe_by_data_and_given_values_reach_the_optimizer(tmp_path, caps
         None,
         DEFAULT_WEIGHT_DECAY["adamw"],
         "onecycle",
-        64,
+        32,
     )
     given = resolve_recipe(
         TrainConfig(

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from support.data import write_marks
 from support.models import tiny_overrides
 
 import capserve
@@ -179,3 +180,52 @@ def test_shared_class_weights_vote_alike_wherever_a_part_lies():
     assert shared.capsules[-1].weight.shape[0] * 25 == per_position.capsules[-1].weight.shape[0]
     with pytest.raises(ValueError, match="class_weights must be"):
         capserve.create_model("cifar10-simple", class_weights="pooled")
+
+
+def test_with_activations_a_silent_child_changes_nothing():
+    """activations=True: a child whose gate is closed (background, clutter) adds nothing to its parents, whatever
+    its pose; without the gate every LayerNorm'd pose votes in full, so the same change moves the parents."""
+    torch.manual_seed(0)
+    children = torch.randn(2, 5, 5, 4, 16)  # (B, H, W, I, D)
+    children[:, :2, :, :, 0] = -40.0  # the top two rows: first pose value far below zero
+    other = children.clone()
+    other[:, :2, :, :, 1:] = torch.randn(2, 2, 5, 4, 15)  # the same silent children with other poses
+    for activations, unchanged in ((True, True), (False, False)):
+        model = capserve.create_model(
+            "cifar10-simple", **tiny_overrides("cifar10-simple"), class_weights="shared", activations=activations
+        )
+        layer = model.capsules[-1]
+        if activations:
+            with torch.no_grad():  # the gate reads the first pose value: closed where it is far below zero
+                layer.activation.weight.zero_()
+                layer.activation.weight[0, 0] = 1.0
+                layer.activation.bias.zero_()
+        same = torch.allclose(layer.route(children, 3)[0], layer.route(other, 3)[0], atol=1e-5)
+        assert same is unchanged, activations
+
+
+def test_objects_anywhere_get_shared_class_transforms_and_learn_with_the_defaults(tmp_path, caplog):
+    """A small mark anywhere on noise: the run measures that its labels do not follow position, takes one class
+    transform per capsule type (recorded, so that --resume rebuilds the same model), says why, and learns. (With a
+    transform per position the same run stays at the prior: docs/own-data.md.)"""
+    data = write_marks(tmp_path / "marks", 100, np.random.default_rng(0), placed=True)
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="capserve"):
+        assert main(["train", "--data", str(data), "--out", str(out), "--epochs", "8"]) == 0
+    recorded = json.loads((out / "train_config.json").read_text())
+    assert recorded["overrides"] == {"class_weights": "shared"}
+    assert capserve.load(out / "best").config.class_weights == "shared"
+    assert "class capsule transforms: shared (the labels do not follow where things lie" in caplog.text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["learned"] is True and summary["best_val_acc"] >= summary["prior_val_acc"] + 0.3, summary
+
+
+def test_a_given_class_weights_is_kept_and_the_default_model_gates_its_children(tmp_path, caplog):
+    data = write_marks(tmp_path / "marks", 4, np.random.default_rng(0), placed=True)
+    out = tmp_path / "run"
+    args = ["train", "--data", str(data), "--out", str(out), "--epochs", "1", "--no-test", "--val-size", "0"]
+    with caplog.at_level(logging.INFO, logger="capserve"):
+        main([*args, "--set", 'class_weights="per_position"'])
+    assert json.loads((out / "train_config.json").read_text())["overrides"] == {"class_weights": "per_position"}
+    assert "class capsule transforms" not in caplog.text
+    assert capserve.get_config("cifar10-conv").activations

@@ -1,0 +1,57 @@
+"""How a run on your own images chooses its class capsule transforms: the placement measure
+(``capserve.data.placement``) on data whose labels do, or do not, follow where things lie."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from support.data import MARKS, mark_pixels, write_marks
+
+from capserve.data.own import InputSize, build_cache, scan
+from capserve.data.placement import ALIGNED_RATIO, explained_share, measure_placement
+
+
+def decoded(root):
+    manifest = scan(root)
+    train = build_cache(manifest, manifest.labels, InputSize(3, 32), None).splits["train"]
+    return train.images, train.targets
+
+
+def test_marks_in_their_place_keep_a_transform_per_position_and_marks_anywhere_share_one(tmp_path):
+    rng = np.random.default_rng(0)
+    aligned = measure_placement(*decoded(write_marks(tmp_path / "aligned", 30, rng, placed=False)))
+    anywhere = measure_placement(*decoded(write_marks(tmp_path / "anywhere", 30, rng, placed=True)))
+    assert aligned.ratio >= ALIGNED_RATIO > anywhere.ratio
+    assert (aligned.class_weights, anywhere.class_weights) == ("per_position", "shared")
+    assert "do not follow" in anywhere.reason() and "do not" not in aligned.reason()
+
+
+def test_labels_that_ignore_the_pictures_explain_no_more_than_shuffled_ones():
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (300, 3, 32, 32), dtype=torch.uint8, generator=g)
+    placement = measure_placement(images, torch.randint(0, 4, (300,), generator=g))
+    assert placement.ratio < 2 and not placement.aligned
+
+
+def test_multi_label_marks_each_in_a_place_of_its_own_follow_position():
+    """Multi-hot targets: each label's mark at a corner of its own (aligned), or anywhere (not)."""
+    rng = np.random.default_rng(1)
+    corners = ((2, 2), (2, 24), (24, 2))
+    for placed in (False, True):
+        images = rng.integers(0, 90, (240, 32, 32)).astype(np.uint8)
+        targets = torch.zeros(240, len(MARKS))
+        for n in range(240):
+            for k, kind in enumerate(MARKS):
+                if rng.random() < 0.5:
+                    y, x = rng.integers(0, 27, 2) if placed else corners[k]
+                    images[n, y : y + 6, x : x + 6][mark_pixels(kind)] = 255
+                    targets[n, k] = 1
+        batch = torch.from_numpy(images)[:, None].expand(-1, 3, -1, -1)
+        assert measure_placement(batch, targets).aligned is (not placed)
+
+
+def test_the_share_is_between_label_variance_over_total():
+    """Two labels on two one-value maps: the labels explain all of the variance, or none of it."""
+    maps = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    assert explained_share(maps, torch.tensor([0, 0, 1, 1])) == 1.0
+    assert explained_share(maps, torch.tensor([0, 1, 0, 1])) == 0.0
