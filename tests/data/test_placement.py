@@ -55,3 +55,5 @@ def test_the_share_is_between_label_variance_over_total():
     maps = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
     assert explained_share(maps, torch.tensor([0, 0, 1, 1])) == 1.0
     assert explained_share(maps, torch.tensor([0, 1, 0, 1])) == 0.0
+    # multi-hot: the first label splits the maps as above (1), the second has the same mean with and without (0)
+    assert explained_share(maps, torch.tensor([[1, 0], [1, 1], [0, 0], [0, 1]])) == 0.5

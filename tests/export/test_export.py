@@ -112,6 +112,19 @@ def test_onnxruntime_matches_eager(exports, name, T):
             assert onnx_error <= max(atol, 1.5 * eager_error), f"{name} T={T} B={B}: {diff=:.2e} {eager_error=:.2e}"
 
 
+def test_shared_class_transforms_export_like_eager(tmp_path):
+    """The own-data default on objects anywhere: class transforms shared by every position, gated children."""
+    model = tiny_model("cifar10-conv", class_weights="shared")
+    assert model.config.activations
+    model.save(tmp_path / "shared")
+    export_checkpoint(tmp_path / "shared", tmp_path / "shared.onnx", [2])
+    x = tiny_input(model, 3)
+    with torch.no_grad():
+        expected = model(x, iterations=2).numpy()
+    got = load_runtime(tmp_path / "shared.onnx", device="cpu").predict(x.numpy())
+    assert np.abs(got - expected).max() < ATOL
+
+
 def logit_scale(model: capserve.CapsNet, logits: np.ndarray) -> float:
     """1, or for EM the logits' magnitude: EM's class logits are λ_T·(β_a − cost), the cost a sum of float32
     log-variances, and where a parent's σ² is small (few children reach it) the logits reach ~20–60 on the tiny test
