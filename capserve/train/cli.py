@@ -91,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-size",
         type=int,
         help="global batch size, all processes together (default: 128 for CIFAR "
-        "and DiverseMultiMNIST, 64 for your own images)",
+        "and DiverseMultiMNIST, 32 for your own images)",
     )
     p.add_argument(
         "--optimizer",
