@@ -132,16 +132,20 @@ def placed_digits(root: Path, data: Path, rng: np.random.Generator) -> None:
             _save_folder(root, split, str(int(labels[i])), k, Image.fromarray(canvas.astype(np.uint8)))
 
 
-def cifar5(root: Path, data: Path, rng: np.random.Generator) -> None:
-    """Five CIFAR-10 classes, 500 training and 200 test photos each."""
-    keep = ("airplane", "cat", "frog", "ship", "truck")
-    for split, train, per in (("train", True, 500), ("test", False, 200)):
-        split_data = load_cifar10(data / "cifar10", train)
+def _cifar_classes(root: Path, data: Path, keep: tuple[str, ...], train: int, test: int, mode: str) -> None:
+    """The first ``train`` training and ``test`` test photos of each CIFAR-10 class in ``keep``, in Pillow ``mode``."""
+    for split, is_train, per in (("train", True, train), ("test", False, test)):
+        split_data = load_cifar10(data / "cifar10", is_train)
         images, labels = split_data.images.numpy(), split_data.targets.numpy()
         for name in keep:
-            index = np.flatnonzero(labels == CIFAR10_LABELS.index(name))[:per]
-            for i in index:
-                _save_folder(root, split, name, int(i), Image.fromarray(images[i].transpose(1, 2, 0)))
+            for i in np.flatnonzero(labels == CIFAR10_LABELS.index(name))[:per]:
+                photo = Image.fromarray(images[i].transpose(1, 2, 0)).convert(mode)
+                _save_folder(root, split, name, int(i), photo)
+
+
+def cifar5(root: Path, data: Path, rng: np.random.Generator) -> None:
+    """Five CIFAR-10 classes, 500 training and 200 test photos each."""
+    _cifar_classes(root, data, ("airplane", "cat", "frog", "ship", "truck"), 500, 200, "RGB")
 
 
 def _texture(rng: np.random.Generator, kind: str, side: int) -> Image.Image:
@@ -291,14 +295,7 @@ def arrows(root: Path, data: Path, rng: np.random.Generator) -> None:
 
 def cifar_grey(root: Path, data: Path, rng: np.random.Generator) -> None:
     """The other five CIFAR-10 classes (none of cifar5's), as grey photos: 400 training and 200 test each."""
-    keep = ("automobile", "bird", "deer", "dog", "horse")
-    for split, train, per in (("train", True, 400), ("test", False, 200)):
-        split_data = load_cifar10(data / "cifar10", train)
-        images, labels = split_data.images.numpy(), split_data.targets.numpy()
-        for name in keep:
-            for i in np.flatnonzero(labels == CIFAR10_LABELS.index(name))[:per]:
-                photo = Image.fromarray(images[i].transpose(1, 2, 0)).convert("L")
-                _save_folder(root, split, name, int(i), photo)
+    _cifar_classes(root, data, ("automobile", "bird", "deer", "dog", "horse"), 400, 200, "L")
 
 
 def _write_csv(path: Path, rows: list[tuple[str, str, str]]) -> None:
