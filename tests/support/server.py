@@ -174,6 +174,20 @@ class Drain:
     took: float
 
 
+def in_flight(url: str, route: str, count: int = 1, timeout: float = 10.0) -> float:
+    """Wait until ``count`` requests to ``route`` are in flight together (BentoML's
+    ``bentoml_service_request_in_progress`` gauge on /metrics); the count seen."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+            if line.startswith("bentoml_service_request_in_progress{") and f'endpoint="{route}"' in line:
+                seen = float(line.rsplit(" ", 1)[1])
+                if seen >= count:
+                    return seen
+        time.sleep(0.005)
+    raise AssertionError(f"{count} requests to {route} were never in flight together within {timeout} s")
+
+
 def stop_under_load(proc: subprocess.Popen, url: str, grace: float, requests: int = 6, images: int = 32) -> Drain:
     """SIGTERM to a ready server while ``requests`` /classify_batch requests of ``images`` images run, then wait
     up to ``grace`` seconds (a pod's grace period) for the requests and the exit (killed after that)."""
@@ -192,7 +206,7 @@ def stop_under_load(proc: subprocess.Popen, url: str, grace: float, requests: in
     senders = [threading.Thread(target=send) for _ in range(requests)]
     for t in senders:
         t.start()
-    time.sleep(0.5)  # the requests are accepted and running
+    in_flight(url, "/classify_batch", requests)  # the stop comes while they all run, however fast the machine
     stopped = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     for t in senders:
