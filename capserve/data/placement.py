@@ -23,8 +23,8 @@ from torch import Tensor
 
 GRID = 8  # the side of the coarse grid the edge maps are pooled to
 SHUFFLES = 5  # label permutations averaged for the chance level
-# η² over its shuffled level at or above which labels follow position. The battery's sets measure 1.4 to 1.8 where
-# the objects lie anywhere and 8.6 to 178 where they have their place; the bound sits between the two groups.
+# η² over its shuffled level at or above which labels follow position: between the battery's sets of things anywhere
+# and its sets of things in their place, far from both (docs/own-data.md, "Where things lie")
 ALIGNED_RATIO = 4.0
 
 
