@@ -14,8 +14,9 @@ For each set of ``battery_data.BATTERY`` (built once under ``--work``), three le
 
 It prints one table: test top-1 (single-label) or exact match (multi-label) per learner, the prior (always the most
 common label, or label set, of the training split), and the seconds each took. ``--extra "ARGS"`` adds a fourth
-learner, the capsule command with ARGS appended (e.g. ``--extra "--augment crop-flip"``). Scores are of one seed;
-timings on a shared machine are noisy.
+learner, the capsule command with ARGS appended (e.g. ``--extra "--augment crop-flip"``). ``--seeds 0,1,2`` runs every
+learner once per seed (``capserve train --seed S``, the yardstick's own seed) and prints each cell as the mean with the
+lowest and highest score; timings are per seed, and noisy on a shared machine.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ EPOCHS = {
     "placed-letters": 5,
     "arrows": 4,
     "cifar-grey": 4,
+    "numbers": 4,
+    "letter-tiles": 4,
 }
 
 
@@ -119,7 +122,7 @@ def yardstick(data: Path, epochs: int, seed: int = 0) -> dict[str, float]:
     return {"test": score(logits_of(test), test.targets, multi), "val": best_val, "prior": prior(train.targets, multi)}
 
 
-def capserve_train(data: Path, out: Path, epochs: int, extra: list[str]) -> dict[str, float | None]:
+def capserve_train(data: Path, out: Path, epochs: int, seed: int, extra: list[str]) -> dict[str, float | None]:
     cmd = [
         sys.executable,
         "-m",
@@ -131,6 +134,8 @@ def capserve_train(data: Path, out: Path, epochs: int, extra: list[str]) -> dict
         str(out),
         "--epochs",
         str(epochs),
+        "--seed",
+        str(seed),
         *extra,
     ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -151,7 +156,9 @@ def main() -> None:
     p.add_argument("--learners", default="capsules,cnn,yardstick")
     p.add_argument("--epochs", type=int, help="the same epochs for every set (default: EPOCHS, per set)")
     p.add_argument("--extra", help="a fourth learner: the capsule command with these arguments appended")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds; each learner runs once per seed")
     args = p.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
     work = Path(args.work or tempfile.mkdtemp(prefix="battery-"))
     names = args.only.split(",") if args.only else list(BATTERY)
     learners = args.learners.split(",") + (["extra"] if args.extra else [])
@@ -161,33 +168,42 @@ def main() -> None:
         epochs = args.epochs or EPOCHS[name]
         row: dict[str, object] = {"set": name, "epochs": epochs}
         for learner in learners:
-            t = time.perf_counter()
-            if learner == "yardstick":
-                r = yardstick(data, epochs)
-                row["prior"] = r["prior"]
-            else:
-                extra = {
-                    "capsules": [],
-                    "cnn": ["--model", "cifar10-conv-cnn"],
-                    "extra": shlex.split(args.extra or ""),
-                }[learner]
-                r = capserve_train(data, work / "runs" / f"{name}-{learner}", epochs, extra)
-            row[learner] = r
-            row[f"{learner}_s"] = time.perf_counter() - t
-            print(
-                json.dumps({"set": name, "learner": learner, **r, "seconds": round(row[f"{learner}_s"], 1)}), flush=True
-            )
+            tests, seconds = [], []
+            for seed in seeds:
+                t = time.perf_counter()
+                if learner == "yardstick":
+                    r = yardstick(data, epochs, seed)
+                    row["prior"] = r["prior"]
+                else:
+                    extra = {
+                        "capsules": [],
+                        "cnn": ["--model", "cifar10-conv-cnn"],
+                        "extra": shlex.split(args.extra or ""),
+                    }[learner]
+                    run = work / "runs" / (f"{name}-{learner}" + (f"-seed{seed}" if len(seeds) > 1 else ""))
+                    r = capserve_train(data, run, epochs, seed, extra)
+                seconds.append(time.perf_counter() - t)
+                tests.append(r["test"])
+                report = {"set": name, "learner": learner, "seed": seed, **r, "seconds": round(seconds[-1], 1)}
+                print(json.dumps(report), flush=True)
+            row[learner] = tests
+            row[f"{learner}_s"] = sum(seconds) / len(seconds)
         rows.append(row)
     print(f"\n| set | epochs | prior | {' | '.join(learners)} |")
     print("|---|---:|---:|" + "---:|" * len(learners))
     for row in rows:
-        cells = []
-        for learner in learners:
-            r = row[learner]
-            test = r["test"]  # type: ignore[index]
-            cells.append(("-" if test is None else f"{100 * test:.1f} %") + f" ({row[f'{learner}_s']:.0f} s)")
+        cells = [f"{cell(row[learner])} ({row[f'{learner}_s']:.0f} s)" for learner in learners]  # type: ignore[arg-type]
         prior_text = f"{100 * row['prior']:.1f} %" if "prior" in row else "-"
         print(f"| {row['set']} | {row['epochs']} | {prior_text} | {' | '.join(cells)} |")
+
+
+def cell(tests: list[float | None]) -> str:
+    """One learner's test score on one set: the mean over seeds, with the lowest and highest when there are several."""
+    if any(t is None for t in tests):
+        return "-"
+    mean = 100 * sum(tests) / len(tests)  # type: ignore[arg-type]
+    spread = f" ({100 * min(tests):.1f}–{100 * max(tests):.1f})" if len(tests) > 1 else ""  # type: ignore[type-var]
+    return f"{mean:.1f} %{spread}"
 
 
 if __name__ == "__main__":

@@ -3,18 +3,21 @@ the class capsule layer's transforms (``ModelConfig.class_weights``) for a run o
 
 The class capsule layer has, as in the paper, one transform per input capsule, position included: right when a
 label has its place (digits, letters and glyphs centred in their picture, photographs framed on their subject), and
-slow to learn when the same thing turns up anywhere (a small object on a canvas, shapes in clutter, textures),
-where every position has to learn it apart. Shared transforms learn the second kind fast and stall on the first
-(docs/own-data.md, the battery). So a run measures which kind its data is.
+slow to learn when the same thing turns up anywhere (a small object on a canvas, shapes in clutter, textures, an
+arrow whose label is the way it points), where every position has to learn it apart. Shared transforms learn the
+second kind fast and stall on the first (docs/own-data.md, the battery). So a run measures which kind its data is.
 
-The measure: each image's map of where its edges lie (grey-level gradient magnitude, pooled to a coarse grid and
-scaled to sum to one: where, not how strong, and blind to which colour is in front), then the share of the maps'
-variance that the labels explain (η², between-label over total). A share no larger than what the same images give
-with their labels shuffled means the labels do not follow position. The figure compared is the ratio of the two.
+The measure compares two views of each image's edges (grey-level gradient magnitude, blind to which colour is in
+front): where they lie (pooled to a coarse grid) and their Fourier magnitude (the same whatever the shift). In each
+view, η² is the share of the maps' variance that the labels explain, less what shuffled labels explain. The figure
+is the first over the second: how much of what sets the labels apart depends on where it is. An arrow's direction
+shows in both views (east-pointing arrows spread sideways), but far more in the shift-free one, so a share of
+variance alone would call arrows anywhere "in their place"; the ratio does not.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,26 +26,32 @@ from torch import Tensor
 
 GRID = 8  # the side of the coarse grid the edge maps are pooled to
 SHUFFLES = 5  # label permutations averaged for the chance level
-# η² over its shuffled level at or above which labels follow position: between the battery's sets of things anywhere
+# in-place over shift-free η² at or above which labels follow position: between the battery's sets of things anywhere
 # and its sets of things in their place, far from both (docs/own-data.md, "Where things lie")
-ALIGNED_RATIO = 4.0
+ALIGNED_RATIO = 0.15
 
 
 @dataclass(frozen=True)
 class Placement:
-    """What ``measure_placement`` found: η² of the edge maps by label, its level with shuffled labels, their ratio."""
+    """What ``measure_placement`` found: η² of the labels above its chance level (the same with shuffled labels), in
+    where the edges lie and in the edges' shift-free spectrum, and those two chance levels."""
 
-    explained: float
-    shuffled: float
+    in_place: float
+    shift_free: float
+    in_place_chance: float
+    shift_free_chance: float
 
     @property
     def ratio(self) -> float:
-        return self.explained / max(self.shuffled, 1e-12)
+        """How much of what sets the labels apart depends on where it is (in place over shift-free)."""
+        return self.in_place / max(self.shift_free, self.shift_free_chance, 1e-12)
 
     @property
     def aligned(self) -> bool:
-        """Whether the labels follow where the edges lie (then a transform per position pays)."""
-        return self.ratio >= ALIGNED_RATIO
+        """Whether the labels follow where the edges lie (then a transform per position pays): clear of chance (η² at
+        least twice its shuffled level, so that noise never decides) and a large enough part of what the labels
+        show."""
+        return self.in_place >= self.in_place_chance and self.ratio >= ALIGNED_RATIO
 
     @property
     def class_weights(self) -> str:
@@ -52,22 +61,39 @@ class Placement:
     def reason(self) -> str:
         kind = "follow where things lie" if self.aligned else "do not follow where things lie"
         return (
-            f"the labels {kind} in the training images (edge-position variance explained {self.ratio:.1f}× the "
-            f"shuffled-label level; {ALIGNED_RATIO:g}× or more keeps a transform per position)"
+            f"the labels {kind} in the training images (where the edges lie explains {self.ratio:.2f} of what "
+            f"their shift-free spectrum explains; {ALIGNED_RATIO:g} or more keeps a transform per position)"
         )
 
 
-def edge_maps(images: Tensor, block: int = 1024) -> Tensor:
-    """Where each image's edges lie: (N, C, H, W) uint8 or float → (N, GRID²), each row summing to 1. Blocks of
-    ``block`` images bound the float copies a large data set would otherwise make at once."""
-    maps = []
+def _edges(images: Tensor, block: int) -> Iterator[Tensor]:
+    """Grey-level gradient magnitude of ``images`` (N, C, H, W), in blocks of ``block`` images: (n, 1, H, W) each.
+    Blocks bound the float copies a large data set would otherwise make at once."""
     for start in range(0, len(images), block):
         x = images[start : start + block].float().mean(1, keepdim=True)  # (n, 1, H, W) grey
         dx = F.pad((x[..., :, 1:] - x[..., :, :-1]).abs(), (0, 1, 0, 0))
         dy = F.pad((x[..., 1:, :] - x[..., :-1, :]).abs(), (0, 0, 0, 1))
-        maps.append(F.adaptive_avg_pool2d(dx + dy, GRID).flatten(1))  # (n, G²)
-    m = torch.cat(maps)
-    return m / m.sum(1, keepdim=True).clamp_min(1e-8)
+        yield dx + dy
+
+
+def _sum_to_one(maps: Tensor) -> Tensor:
+    return maps / maps.sum(1, keepdim=True).clamp_min(1e-8)
+
+
+def edge_maps(images: Tensor, block: int = 1024) -> Tensor:
+    """Where each image's edges lie: (N, C, H, W) uint8 or float → (N, GRID²), each row summing to 1."""
+    return _sum_to_one(torch.cat([F.adaptive_avg_pool2d(e, GRID).flatten(1) for e in _edges(images, block)]))
+
+
+def spectrum_maps(images: Tensor, block: int = 1024) -> Tensor:
+    """What each image's edges are, wherever they lie: the Fourier magnitude of the edge map (unchanged by a shift),
+    pooled to a GRID × (GRID/2 + 1) grid of frequencies → (N, GRID·(GRID/2 + 1)), each row summing to 1."""
+    maps = []
+    for e in _edges(images, block):
+        magnitude = torch.fft.rfft2(e - e.mean((-2, -1), keepdim=True)).abs()  # (n, 1, H, W/2 + 1)
+        magnitude = torch.fft.fftshift(magnitude, dim=-2)  # vertical frequencies in order, so that pools are bands
+        maps.append(F.adaptive_avg_pool2d(magnitude, (GRID, GRID // 2 + 1)).flatten(1))
+    return _sum_to_one(torch.cat(maps))
 
 
 def explained_share(maps: Tensor, targets: Tensor) -> float:
@@ -88,14 +114,20 @@ def explained_share(maps: Tensor, targets: Tensor) -> float:
 
 
 def measure_placement(images: Tensor, targets: Tensor, seed: int = 0) -> Placement:
-    """How far the labels of ``images`` (N, C, H, W) follow where things lie, against the same with shuffled labels.
+    """How far the labels of ``images`` (N, C, H, W) follow where things lie: their η² above chance in the edges'
+    positions, and in the edges' shift-free spectrum.
 
     Args:
         targets: (N,) class indices, or (N, C) multi-hot.
     """
-    maps = edge_maps(images)
     generator = torch.Generator().manual_seed(seed)
-    shuffled = [
-        explained_share(maps, targets[torch.randperm(len(targets), generator=generator)]) for _ in range(SHUFFLES)
-    ]
-    return Placement(explained_share(maps, targets), sum(shuffled) / SHUFFLES)
+
+    def above_chance(maps: Tensor) -> tuple[float, float]:
+        shuffled = sum(
+            explained_share(maps, targets[torch.randperm(len(targets), generator=generator)]) for _ in range(SHUFFLES)
+        )
+        return explained_share(maps, targets) - shuffled / SHUFFLES, shuffled / SHUFFLES
+
+    in_place, in_place_chance = above_chance(edge_maps(images))
+    shift_free, shift_free_chance = above_chance(spectrum_maps(images))
+    return Placement(in_place, shift_free, in_place_chance, shift_free_chance)

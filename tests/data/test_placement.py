@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from PIL import Image, ImageDraw
 from support.data import MARKS, mark_pixels, write_marks
 
 from capserve.data.own import InputSize, build_cache, scan
@@ -26,11 +27,33 @@ def test_marks_in_their_place_keep_a_transform_per_position_and_marks_anywhere_s
     assert "do not follow" in anywhere.reason() and "do not" not in aligned.reason()
 
 
-def test_labels_that_ignore_the_pictures_explain_no_more_than_shuffled_ones():
+def test_labels_that_ignore_the_pictures_never_count_as_following_position():
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (300, 3, 32, 32), dtype=torch.uint8, generator=g)
     placement = measure_placement(images, torch.randint(0, 4, (300,), generator=g))
-    assert placement.ratio < 2 and not placement.aligned
+    assert placement.in_place < placement.in_place_chance and not placement.aligned
+
+
+def test_a_label_that_is_a_direction_drawn_anywhere_shares_the_transforms():
+    """Which way a stroke runs, anywhere on the canvas: the direction also shapes where the edges spread (a
+    horizontal stroke stays off the side columns), so the labels explain the edge positions well above chance; but
+    far more of them shows whatever the shift, and a transform per position would have to learn each direction at
+    every place."""
+    rng = np.random.default_rng(2)
+    images, targets = np.zeros((400, 32, 32), np.uint8), torch.zeros(400, dtype=torch.long)
+    for n in range(400):
+        direction = n % 4
+        canvas = Image.fromarray(rng.integers(0, 60, (32, 32)).astype(np.uint8))
+        length = rng.uniform(9, 13)  # half the stroke
+        dx, dy = length * np.cos(direction * np.pi / 4), -length * np.sin(direction * np.pi / 4)
+        cx, cy = rng.uniform(abs(dx), 32 - abs(dx)), rng.uniform(abs(dy), 32 - abs(dy))
+        ImageDraw.Draw(canvas).line([(cx - dx, cy - dy), (cx + dx, cy + dy)], fill=230, width=2)
+        images[n], targets[n] = np.asarray(canvas), direction
+    placement = measure_placement(torch.from_numpy(images)[:, None].expand(-1, 3, -1, -1), targets)
+    # the edge positions follow the labels: η² four times its shuffled level, where they alone would keep a transform
+    # per position...
+    assert placement.in_place >= 3 * placement.in_place_chance
+    assert placement.ratio < ALIGNED_RATIO and placement.class_weights == "shared"  # ...but far less than their shapes
 
 
 def test_multi_label_marks_each_in_a_place_of_its_own_follow_position():
