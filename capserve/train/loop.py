@@ -289,6 +289,8 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
     init = init_from(model, cfg.init, cfg.label_map) if cfg.init and resume is None else None
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
+        if resume is None:
+            start_afresh(out)
     skipped, test_split = 0, None
     if manifest is not None:
         data, test_split, skipped = load_own_training(manifest, model, out, d, device)
@@ -381,6 +383,16 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
             sum(p.numel() for p in model.parameters()),
         )
     return run
+
+
+def start_afresh(out: Path) -> None:
+    """A new run in the folder of an earlier one (without ``--resume``) logs and sums up only itself: the earlier
+    run's metrics, curves and summary go, and its ``best/`` and ``last/`` are replaced as this run saves."""
+    earlier = [out / name for name in ("metrics.jsonl", "curves.png", "summary.json") if (out / name).is_file()]
+    if earlier:
+        log.warning("%s holds an earlier run: this one starts afresh and replaces it (--resume continues it)", out)
+    for path in earlier:
+        path.unlink()
 
 
 def drop_unsaved_epochs(metrics: Path, saved_epochs: int) -> None:

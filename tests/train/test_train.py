@@ -335,6 +335,16 @@ def test_a_run_killed_at_a_random_point_resumes_to_the_uninterrupted_weights(cif
     assert [(r["epoch"], r["train_loss"]) for r in logged] == [(r["epoch"], r["train_loss"]) for r in expected]
 
 
+def test_a_new_run_in_an_earlier_runs_folder_logs_and_sums_up_only_itself(cifar, tmp_path, caplog):
+    out = tmp_path / "run"
+    train(cfg("cifar10-simple", cifar, out, epochs=2))
+    with caplog.at_level("WARNING", logger="capserve"):
+        summary = train(cfg("cifar10-simple", cifar, out, epochs=1))
+    assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert summary["best_epoch"] == 1 and json.loads((out / "summary.json").read_text()) == summary
+    assert "holds an earlier run" in caplog.text
+
+
 def test_resume_forgets_epochs_logged_but_not_saved(tmp_path):
     """A kill after an epoch's metrics line but before its checkpoint: that epoch runs again, and is logged once."""
     metrics = tmp_path / "metrics.jsonl"
