@@ -174,28 +174,28 @@ class Drain:
     took: float
 
 
-def in_flight(url: str, route: str, count: int = 1, timeout: float = 10.0) -> float:
-    """Wait until ``count`` requests to ``route`` are in flight together (BentoML's
-    ``bentoml_service_request_in_progress`` gauge on /metrics); the count seen."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-            if line.startswith("bentoml_service_request_in_progress{") and f'endpoint="{route}"' in line:
-                seen = float(line.rsplit(" ", 1)[1])
-                if seen >= count:
-                    return seen
-        time.sleep(0.005)
-    raise AssertionError(f"{count} requests to {route} were never in flight together within {timeout} s")
+def requests_seen(url: str, route: str) -> tuple[float, float]:
+    """(in flight, answered) requests to ``route``: BentoML's ``bentoml_service_request_in_progress`` gauge and
+    ``bentoml_service_request_total`` counter on /metrics, summed over workers and status codes."""
+    running = answered = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if f'endpoint="{route}"' in line:
+            if line.startswith("bentoml_service_request_in_progress{"):
+                running += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("bentoml_service_request_total{"):
+                answered += float(line.rsplit(" ", 1)[1])
+    return running, answered
 
 
 def stop_under_load(proc: subprocess.Popen, url: str, grace: float, requests: int = 6, images: int = 32) -> Drain:
-    """SIGTERM to a ready server while ``requests`` /classify_batch requests of ``images`` images run, then wait
-    up to ``grace`` seconds (a pod's grace period) for the requests and the exit (killed after that)."""
-    files = [("images", ("x.png", random_png(i), "image/png")) for i in range(images)]
+    """SIGTERM to a ready server once all ``requests`` /classify_batch requests of ``images`` images have reached it
+    and some still run, then wait up to ``grace`` seconds (a pod's grace period) for the requests and the exit
+    (killed after that). A machine fast enough to answer them all before the signal could go gets a new round with
+    twice the images, so that the stop always meets requests in flight and none still on its way."""
     answers: list[int | str] = []
     ended: list[float] = []
 
-    def send() -> None:
+    def send(files: list) -> None:
         try:
             answers.append(httpx.post(f"{url}/classify_batch", files=files, timeout=120).status_code)
         except httpx.HTTPError as e:  # a dropped connection, not an answer
@@ -203,10 +203,26 @@ def stop_under_load(proc: subprocess.Popen, url: str, grace: float, requests: in
         ended.append(time.monotonic())
 
     httpx.post(f"{url}/classify", **upload(random_png(0)), timeout=60).raise_for_status()  # warm
-    senders = [threading.Thread(target=send) for _ in range(requests)]
-    for t in senders:
-        t.start()
-    in_flight(url, "/classify_batch", requests)  # the stop comes while they all run, however fast the machine
+    for round_ in range(5):
+        files = [("images", ("x.png", random_png(i), "image/png")) for i in range(images << round_)]
+        answers.clear()
+        ended.clear()
+        _, before = requests_seen(url, "/classify_batch")
+        senders = [threading.Thread(target=send, args=(files,)) for _ in range(requests)]
+        for t in senders:
+            t.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            running, answered = requests_seen(url, "/classify_batch")
+            if running + answered - before >= requests:  # all of them reached the server
+                break
+            time.sleep(0.005)
+        if running >= 1:
+            break
+        for t in senders:  # all answered before the signal could go: again, heavier
+            t.join(timeout=120)
+    else:
+        raise AssertionError(f"{requests} requests to /classify_batch never met a stop while some were in flight")
     stopped = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     for t in senders:
