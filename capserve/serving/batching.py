@@ -13,7 +13,7 @@ import numpy as np
 
 from capserve.runtime import Runtime, load_runtime
 from capserve.serving.settings import Settings
-from capserve.serving.workers import available_cores
+from capserve.hardware import available_cores
 
 log = logging.getLogger("capserve.service")
 

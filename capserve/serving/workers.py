@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from capserve.errors import ConfigurationError
+from capserve.hardware import available_cores
 from capserve.serving.settings import Settings
 
 # What CAPSERVE_WORKERS=auto (the default) starts on a CPU: one worker per CORES_PER_CPU_WORKER cores, at most
@@ -23,34 +24,6 @@ from capserve.serving.settings import Settings
 # own models and libraries, so on larger nodes CAPSERVE_WORKERS is set to a number.
 CORES_PER_CPU_WORKER = 1
 MAX_AUTO_CPU_WORKERS = 2
-
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-def available_cores(cgroup: Path = CGROUP_ROOT) -> int:
-    """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota (a container's CPU limit,
-    e.g. a Kubernetes ``resources.limits.cpu``), which affinity does not show: a 2-CPU pod on a 64-core node
-    would otherwise start 64 threads per session and be throttled."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    quota = _cgroup_quota(cgroup)
-    return max(1, min(cores, math.ceil(quota))) if quota else cores
-
-
-def _cgroup_quota(root: Path) -> float | None:
-    """CPUs allowed by the cgroup CPU quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), None when unlimited."""
-    try:
-        text = (root / "cpu.max").read_text().split()
-        if text and text[0] != "max":
-            return int(text[0]) / int(text[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-        return quota / period if quota > 0 and period > 0 else None
-    except (OSError, ValueError):
-        return None
 
 
 def visible_gpus(env: Mapping[str, str] | None = None) -> int:

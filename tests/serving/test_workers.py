@@ -25,6 +25,7 @@ from support.server import (
 )
 
 from capserve.errors import ConfigurationError
+from capserve.hardware import available_cores
 from capserve.serving import Capsules, Settings
 from capserve.serving import workers as W
 
@@ -88,18 +89,18 @@ def test_worker_k_serves_on_visible_gpu_k(monkeypatch):
 def test_available_cores_honours_a_cgroup_cpu_limit(tmp_path):
     """A container's CPU limit (cgroup quota) is not in the CPU affinity: a 2-CPU pod on a big node must not start
     a thread per node core."""
-    affinity = W.available_cores(tmp_path / "none")
+    affinity = available_cores(tmp_path / "none")
     (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs (cgroup v2)
-    assert W.available_cores(tmp_path) == min(affinity, 2)
+    assert available_cores(tmp_path) == min(affinity, 2)
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert W.available_cores(tmp_path) == affinity
+    assert available_cores(tmp_path) == affinity
     v1 = tmp_path / "v1"
     (v1 / "cpu").mkdir(parents=True)
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000")
     (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
-    assert W.available_cores(v1) == 1
+    assert available_cores(v1) == 1
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1")
-    assert W.available_cores(v1) == affinity
+    assert available_cores(v1) == affinity
 
 
 def test_one_worker_sessions_use_its_share_of_the_cores(tiny_cifar10):
@@ -223,7 +224,7 @@ def test_two_workers_answer_split_the_cores_and_share_metrics(tiny_cifar10, tmp_
             if len(seen) == 2:
                 break
         assert set(seen) == {0, 1}, f"only worker(s) {set(seen)} answered:\n{log.read_text()[-2000:]}"
-        share = max(1, W.available_cores() // 2)
+        share = max(1, available_cores() // 2)
         assert all(m["workers"] == 2 and m["threads"] == share and m["device"] == "cpu" for m in seen.values())
         assert all(m["lone_request_threads"] == 2 * share for m in seen.values())  # borrows the idle peer's cores
 
