@@ -37,6 +37,7 @@ from torch import nn
 
 from capserve.data.own import InputSize, build_cache, scan, with_validation
 from capserve.data.preprocess import data_mean_std
+from capserve.hardware import cpu_info
 from capserve.runtime.outputs import multi_label_decisions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,6 +151,7 @@ def capserve_train(data: Path, out: Path, epochs: int, seed: int, extra: list[st
 
 
 def main() -> None:
+    print(f"CPU: {cpu_info().describe()}", flush=True)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="data", help="the folder with the MNIST and CIFAR-10 files (default: %(default)s)")
     p.add_argument("--work", help="where the sets and runs go (default: a temporary folder)")

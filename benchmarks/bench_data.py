@@ -32,6 +32,7 @@ from capserve.configs import CIFAR10_LABELS
 from capserve.data.builtin import load_cifar10
 from capserve.data.own import CACHE_FILE, InputSize, build_cache, scan
 from capserve.data.splits import Split
+from capserve.hardware import cpu_info
 from capserve.train.config import TrainConfig
 from capserve.train.loop import train
 
@@ -55,6 +56,7 @@ def images_per_s(out: Path) -> float:
 
 
 def main() -> None:
+    print(f"CPU: {cpu_info().describe()}", flush=True)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--cifar",

@@ -22,6 +22,7 @@ import numpy as np
 
 from capserve.data.builtin import load_cifar10
 from capserve.data.preprocess import normalize_images
+from capserve.hardware import cpu_info
 from capserve.runtime import load_runtime
 from capserve.serving.explain import occlusion
 
@@ -36,6 +37,7 @@ def inside(mass: np.ndarray, box: list[int]) -> float:
 
 
 def main() -> None:
+    print(f"CPU: {cpu_info().describe()}", flush=True)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True, help="folder with cifar-10-batches-py/")
     parser.add_argument("--model", default=str(ROOT / "models" / "cifar10"))

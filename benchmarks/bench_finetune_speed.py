@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from capserve.hardware import cpu_info
 from capserve.model.factory import build_model
 from capserve.model.factory import load as load_model
 
@@ -56,6 +57,7 @@ def backbone_share(model: torch.nn.Module, size: int, batch: int) -> float:
 
 
 def main() -> None:
+    print(f"CPU: {cpu_info().describe()}", flush=True)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--init", default="models/cifar10", help="the model folder a fine-tune starts from")
     p.add_argument("--sizes", default="32,64", help="comma-separated input sides")

@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from capserve.data.preprocess import normalize_images  # noqa: E402
+from capserve.hardware import cpu_info  # noqa: E402
 from capserve.runtime import Runtime, load_runtime  # noqa: E402
 
 
@@ -511,6 +512,7 @@ def peer_table(
 
 
 def main() -> None:
+    print(f"CPU: {cpu_info().describe()}", flush=True)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=ROOT / "models" / "cifar10", help="model directory with model.onnx")
     p.add_argument(

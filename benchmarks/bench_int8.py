@@ -22,6 +22,7 @@ from capserve.data import load_test
 from capserve.data.preprocess import normalize_images
 from capserve.export.gate import accuracy
 from capserve.export.int8 import export_int8
+from capserve.hardware import cpu_info
 from capserve.runtime import load_runtime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,7 @@ def scores(runtime, x: np.ndarray, targets: np.ndarray, batch: int = 250) -> flo
 
 
 def main() -> None:
+    print(f"CPU: {cpu_info().describe()}", flush=True)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cifar10", required=True, help="CIFAR-10 folder (python pickles)")
     p.add_argument("--mnist", required=True, help="MNIST folder (IDX files)")

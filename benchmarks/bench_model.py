@@ -49,6 +49,7 @@ import time
 import torch
 from torch import nn
 
+from capserve.hardware import cpu_info
 from capserve.routing.fused import compiled_kernels
 
 
@@ -264,6 +265,7 @@ def fused_kernel_state() -> str:
 
 
 def main() -> None:
+    print(f"CPU: {cpu_info().describe()}", flush=True)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", help="model name (repeatable); default cifar10-resnet")
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 1])

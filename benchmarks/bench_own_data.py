@@ -37,6 +37,7 @@ from PIL import Image
 
 from capserve.configs import CIFAR10_LABELS
 from capserve.data.builtin import load_cifar10, load_mnist
+from capserve.hardware import cpu_info
 
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 REPO = Path(__file__).resolve().parents[1]
@@ -147,6 +148,7 @@ def train(name: str, args: list[str], out: Path, augment: str, weight_decay: str
 
 
 def main() -> None:
+    print(f"CPU: {cpu_info().describe()}", flush=True)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--data",

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from capserve.hardware import cpu_info
+
 REPO = Path(__file__).resolve().parents[1]
 
 RUNTIME = """
@@ -79,6 +81,7 @@ def predict_run(args: list[str]) -> tuple[float, float, float]:
 
 
 def main() -> None:
+    print(f"CPU: {cpu_info().describe()}", flush=True)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="data", help="the folder with the CIFAR-10 files (default: %(default)s)")
     p.add_argument("--model", default=str(REPO / "models" / "cifar10"))

@@ -35,6 +35,7 @@ import capserve
 from capserve.cli import parameter_count
 from capserve.configs import CIFAR10_LABELS, ROUTING_ALGORITHMS
 from capserve.export.onnx import export_onnx
+from capserve.hardware import cpu_info
 from capserve.runtime.onnx_backend import OnnxRuntime
 
 CNN_ROWS = ("cifar10-simple-cnn", "cifar10-resnet18")
@@ -76,6 +77,7 @@ def latencies(
 
 
 def main() -> None:
+    print(f"CPU: {cpu_info().describe()}", flush=True)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("-T", "--iterations", type=int, nargs="+", default=[1, 2, 3, 4, 5])

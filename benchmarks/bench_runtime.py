@@ -26,6 +26,7 @@ import torch
 
 import capserve
 from capserve.export.onnx import export_onnx
+from capserve.hardware import cpu_info
 from capserve.runtime.onnx_backend import OnnxRuntime
 
 
@@ -44,6 +45,7 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> d
 
 
 def main() -> None:
+    print(f"CPU: {cpu_info().describe()}", flush=True)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="cifar10-resnet", help="named config (random weights)")
     parser.add_argument("--checkpoint", help="trained model directory instead of random weights")

@@ -27,6 +27,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from capserve.hardware import cpu_info
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -136,6 +138,7 @@ def browse(url: str) -> dict:
 
 
 def main() -> None:
+    print(f"CPU: {cpu_info().describe()}", flush=True)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--app", choices=("static", "gradio"))
     parser.add_argument("--port", type=int, default=3200)

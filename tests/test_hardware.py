@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 from capserve.hardware import CpuInfo, cpu_info, parse_cpuinfo
 
 XEON = """processor\t: 0
@@ -47,3 +50,14 @@ def test_this_machine_is_described_and_features_can_be_stood_in_for():
     here = cpu_info()
     assert here.cores >= 1 and here.model and here.architecture
     assert cpu_info(features={"avx2"}).features == {"avx2"}
+
+
+def test_every_benchmark_prints_the_cpu_it_ran_on_first():
+    """A figure without its CPU cannot be compared: each benchmark's ``main`` starts by printing ``describe()``."""
+    scripts = sorted((Path(__file__).parents[1] / "benchmarks").glob("bench_*.py"))
+    assert scripts
+    for script in scripts:
+        tree = ast.parse(script.read_text())
+        main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+        first = ast.unparse(main.body[0])
+        assert first.startswith("print(") and "cpu_info().describe()" in first, f"{script.name}: {first}"

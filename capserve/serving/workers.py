@@ -8,11 +8,9 @@ GPUs); on CPUs the cores are split, so that N workers never run more inference t
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from capserve.errors import ConfigurationError
 from capserve.hardware import available_cores
