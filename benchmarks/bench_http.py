@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from capserve.data.preprocess import normalize_images  # noqa: E402
 from capserve.runtime import Runtime, load_runtime  # noqa: E402
+from capserve.serving.loadtest import load  # noqa: E402
 
 
 def random_model(directory: Path) -> Path:
@@ -203,48 +204,6 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-async def load(
-    url: str, bodies: list[bytes], requests: int, concurrency: int, endpoint: str = "/classify?top_k=1", batch: int = 1
-) -> tuple[float, np.ndarray, dict]:
-    """``requests`` POSTs to ``endpoint``, at most ``concurrency`` in flight: (seconds, latencies in ms, errors).
-
-    ``batch`` > 1: each request is multipart with ``batch`` images in the field ``images`` (/classify_batch);
-    otherwise one raw PNG body.
-    """
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
-    next_index = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-
-        async def worker() -> None:
-            nonlocal next_index
-            while next_index < requests:
-                i = next_index
-                next_index += 1
-                t = time.perf_counter()
-                try:
-                    if batch > 1:
-                        files = [
-                            ("images", (f"{k}.png", bodies[(i + k) % len(bodies)], "image/png")) for k in range(batch)
-                        ]
-                        r = await client.post(endpoint, files=files)
-                    else:
-                        r = await client.post(
-                            endpoint, content=bodies[i % len(bodies)], headers={"content-type": "image/png"}
-                        )
-                    status = str(r.status_code)
-                except httpx.HTTPError as e:
-                    status = type(e).__name__
-                latencies.append((time.perf_counter() - t) * 1000)
-                if status != "200":
-                    errors[status] = errors.get(status, 0) + 1
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - start, np.array(latencies), errors
 
 
 def measure(servers: dict[str, Server], rounds: int, requests: int, *args: Any, **kwargs: Any) -> dict[str, tuple]:

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from capserve.hardware import available_cores
 from capserve.runtime import Runtime, load_runtime
 from capserve.serving.settings import Settings
-from capserve.hardware import available_cores
 
 log = logging.getLogger("capserve.service")
 
