@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -294,6 +295,20 @@ def pause(pid: int, paused: bool) -> None:
             p.suspend() if paused else p.resume()
 
 
+def connections_per_worker(server: Any, after: float) -> list[int]:
+    """After ``after`` seconds, the established connections on ``server``'s port held by each of its processes
+    (most first): with several BentoML workers, which worker accepted how many of the clients' connections."""
+    time.sleep(after)
+    port = urllib.parse.urlsplit(server.url).port
+    counts = []
+    for p in process_tree(server.proc.pid):
+        with contextlib.suppress(psutil.Error):
+            held = [c for c in p.net_connections("tcp") if c.status == "ESTABLISHED" and c.laddr.port == port]
+            if held:
+                counts.append(len(held))
+    return sorted(counts, reverse=True)
+
+
 def run_wrk(url: str, png: Path, concurrency: int, seconds: int) -> dict[str, float]:
     """One ``wrk`` run (one thread, ``concurrency`` connections) POSTing ``png`` as multipart: its summary."""
     env = {**os.environ, "WRK_FILE": str(png), "WRK_FIELD": "image", "WRK_TYPE": "image/png"}
@@ -405,7 +420,7 @@ def peer_table(
         for server in started:
             pause(server.proc.pid, True)
 
-        keys = ["raw", "cpu", "errors"] + [f"{what}@{c}" for c in concurrency for what in ("rps", "p50")]
+        keys = ["raw", "cpu", "errors", "split"] + [f"{what}@{c}" for c in concurrency for what in ("rps", "p50")]
         figures = {name: {key: [] for key in keys} for name in servers}
         for _ in range(rounds):
             for name, (server, path, upload, key) in servers.items():
@@ -417,7 +432,9 @@ def peer_table(
                     errors: dict[str, int] = {}
                     for c in concurrency:
                         cpu = cpu_seconds(server.proc.pid)
-                        result = run_wrk(server.url + path, upload, c, seconds)
+                        with ThreadPoolExecutor(1) as pool:  # which worker holds the connections, mid-run
+                            split = pool.submit(connections_per_worker, server, min(1.0, seconds / 2))
+                            result = run_wrk(server.url + path, upload, c, seconds)
                         cpu = cpu_seconds(server.proc.pid) - cpu
                         f[f"rps@{c}"].append(result["requests"] / result["seconds"])
                         f[f"p50@{c}"].append(result["p50_ms"])
@@ -428,6 +445,7 @@ def peer_table(
                                 errors[f"{kind} @ c={c}"] = errors.get(f"{kind} @ c={c}", 0) + int(n)
                         if c == busiest:
                             f["cpu"].append(1000 * cpu / max(result["requests"], 1))
+                            f["split"].append(split.result())
                 finally:
                     pause(server.proc.pid, True)
                 f["errors"].append(errors)
@@ -462,6 +480,10 @@ def peer_table(
                 kinds[k] = kinds.get(k, 0) + v
         if kinds:
             print(f"  errors of {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())), flush=True)
+    for name, f in figures.items():  # BentoML's workers share one socket: how the connections fell to them
+        if any(len(split) > 1 for split in f["split"]):
+            splits = ", ".join("/".join(map(str, split)) for split in f["split"])
+            print(f"  connections per worker of {name} at c={busiest}, each round: {splits}", flush=True)
     for server in started:  # capserve logs why adaptive batching shed requests (its estimate of their wait)
         if isinstance(server, Server):
             for line in server.log.read_text(errors="replace").splitlines():
