@@ -387,6 +387,7 @@ def peer_table(
     started: list[Any] = []
     figures: dict[str, dict[str, list[float]]] = {}
     busiest = max(concurrency)
+    split_at = 32 if 32 in concurrency else busiest  # the concurrency whose connections per worker are printed
     try:
         for name, module, command, env in (
             [
@@ -445,6 +446,7 @@ def peer_table(
                                 errors[f"{kind} @ c={c}"] = errors.get(f"{kind} @ c={c}", 0) + int(n)
                         if c == busiest:
                             f["cpu"].append(1000 * cpu / max(result["requests"], 1))
+                        if c == split_at:
                             f["split"].append(split.result())
                 finally:
                     pause(server.proc.pid, True)
@@ -483,7 +485,7 @@ def peer_table(
     for name, f in figures.items():  # BentoML's workers share one socket: how the connections fell to them
         if any(len(split) > 1 for split in f["split"]):
             splits = ", ".join("/".join(map(str, split)) for split in f["split"])
-            print(f"  connections per worker of {name} at c={busiest}, each round: {splits}", flush=True)
+            print(f"  connections per worker of {name} at c={split_at}, each round: {splits}", flush=True)
     for server in started:  # capserve logs why adaptive batching shed requests (its estimate of their wait)
         if isinstance(server, Server):
             for line in server.log.read_text(errors="replace").splitlines():
