@@ -136,7 +136,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
         assert "<title>capserve</title>" in httpx.get(f"{url}/ui/", timeout=30).text  # the page is package data
         default = worker_count(Settings())  # CAPSERVE_WORKERS unset, no tuned file: auto, one worker on a CPU
         assert described["workers"] == default == 1, described
-        assert described["choices"]["workers"] == {"value": 1, "source": "default"}, described
+        assert described["choices"]["workers"] == {"value": 1, "set_by": "default"}, described
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -412,8 +412,8 @@ class Capsules:
         }
 
     def choices(self) -> dict[str, dict[str, Any]]:
-        """Each choice a tuned file may make (capserve.serving.tuned), its value in use and where it came from:
-        ``CAPSERVE_<NAME>``, ``tuned (FILE, CPU)`` or ``default``."""
+        """Each choice a tuned file may make (capserve.serving.tuned), its value in use and what set it:
+        ``CAPSERVE_<NAME>``, ``tuned (FILE NAME, CPU)`` or ``default`` (no host path: callers see this)."""
         s = self.settings
         values = {
             "backend": self.runtime.backend,
@@ -423,4 +423,4 @@ class Capsules:
             "threads": self.worker.threads,
             "max_batch_size": s.max_batch_size,
         }
-        return {name: {"value": values[name], "source": s.sources.get(name, "default")} for name in CHOICES}
+        return {name: {"value": values[name], "set_by": s.sources.get(name, "default")} for name in CHOICES}

@@ -129,7 +129,7 @@ class Choice(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     value: int | str | None = Field(description="the value in use")
-    source: str = Field(description="where it came from: CAPSERVE_<NAME>, 'tuned (FILE, CPU)' or 'default'")
+    set_by: str = Field(description="what set it: CAPSERVE_<NAME>, 'tuned (FILE NAME, CPU)' or 'default'")
 
 
 class ServerDescription(BaseModel):
@@ -151,7 +151,7 @@ class ServerDescription(BaseModel):
     versions: Versions
     choices: dict[str, Choice] = Field(
         description="each choice `capserve tune` may make (backend, precision, artifact, workers, threads, "
-        "max_batch_size): its value and where it came from (docs/deploy.md)"
+        "max_batch_size): its value and what set it (docs/deploy.md)"
     )
 
 

@@ -57,7 +57,7 @@ class Settings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # the graph file in the model folder that onnxruntime serves (None: model.onnx); set by a tuned file only
     artifact: str | None = None
-    # where each choice a tuned file may make came from: CAPSERVE_<NAME>, "default" or "tuned (FILE, CPU)"
+    # where each choice a tuned file may make came from: CAPSERVE_<NAME>, "default" or "tuned (FILE NAME, CPU)"
     # (capserve.serving.tuned.apply_tuned; empty until it ran)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 

@@ -257,7 +257,6 @@ class Tuning:
 
         return Tuned(
             cpu={**self.cpu.to_dict(), "cores": self.cpu.cores},
-            cpu_line=self.cpu.describe(),
             device=device,
             settings=self.chosen.candidate.settings(),
             measured=[m.row() for m in self.measurements],

@@ -67,11 +67,10 @@ RUNTIME_CHOICES = ("backend", "precision", "artifact")
 class Tuned:
     """What ``capserve tune`` wrote: the CPU and device it measured on, the chosen settings and every measurement.
 
-    ``cpu`` is ``CpuInfo.to_dict()`` plus ``cores``; ``cpu_line`` its ``describe()``; ``measured`` a list of
-    rows (settings, requests/s at 32 clients, p50 at 1 client, errors) for the record, not read by the server."""
+    ``cpu`` is ``CpuInfo.to_dict()`` plus ``cores``; ``measured`` a list of rows (settings, requests/s at 32
+    clients, p50 at 1 client, errors) for the record, not read by the server."""
 
     cpu: dict[str, Any]
-    cpu_line: str
     device: str
     settings: dict[str, Any]
     measured: list[dict[str, Any]] = field(default_factory=list)
@@ -92,13 +91,20 @@ class Tuned:
         for key in ("model", "architecture", "features", "cores"):
             if key not in self.cpu:
                 raise ValueError(f"tuned file: its cpu lacks {key!r}")
+        c = self.cpu
+        if not isinstance(c["features"], list) or not isinstance(c["cores"], int) or isinstance(c["cores"], bool):
+            raise ValueError("tuned file: its cpu's features must be a list and its cores an integer")
+
+    def measured_on(self) -> CpuInfo:
+        """The CPU this file was measured on."""
+        c = self.cpu
+        return CpuInfo(str(c["model"]), str(c["architecture"]), int(c["cores"]), frozenset(c["features"]))
 
     def mismatch(self, cpu: CpuInfo, device: str) -> str | None:
         """Why this file does not apply on ``cpu`` serving on ``device``; None when it does."""
-        here = {**cpu.to_dict(), "cores": cpu.cores}
-        for key in ("model", "architecture", "features", "cores"):
-            if self.cpu.get(key) != here[key]:
-                return f"it was measured on {self.cpu_line}, this machine is {cpu.describe()}"
+        there = self.measured_on()
+        if there != cpu:
+            return f"it was measured on {there.describe()}, this machine is {cpu.describe()}"
         if self.device != device:
             return f"it was measured on device {self.device}, this server runs on {device}"
         return None
@@ -161,7 +167,8 @@ def apply_tuned(settings: Settings, env: Mapping[str, str], cpu: CpuInfo | None 
     chosen = dict(tuned.settings)
     if any(_explicit(name, env) for name in RUNTIME_CHOICES):
         chosen = {k: v for k, v in chosen.items() if k not in RUNTIME_CHOICES}
-    source = f"tuned ({path}, {tuned.cpu_line})"
+    # GET /model shows it: the file's name, no host path
+    source = f"tuned ({path.name}, {tuned.measured_on().describe()})"
     changes = {k: v for k, v in chosen.items() if not _explicit(k, env)}
     sources.update({k: source for k in changes})
     log.info("tuned settings from %s: %s", path, ", ".join(f"{k}={v}" for k, v in sorted(changes.items())) or "none")

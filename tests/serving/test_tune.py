@@ -118,9 +118,7 @@ def test_tune_stops_within_its_budget_and_says_what_it_left(tmp_path):
 
 def tuned_file(folder: Path, cpu: CpuInfo = HERE, device: str = "cpu", **settings) -> Path:
     chosen = {"backend": "onnxruntime", "precision": "auto", "workers": 2, "threads": 1, "max_batch_size": 16}
-    record = Tuned(
-        cpu={**cpu.to_dict(), "cores": cpu.cores}, cpu_line=cpu.describe(), device=device, settings=chosen | settings
-    )
+    record = Tuned(cpu={**cpu.to_dict(), "cores": cpu.cores}, device=device, settings=chosen | settings)
     write_tuned(record, folder / TUNED_FILE)
     return folder / TUNED_FILE
 
@@ -134,7 +132,7 @@ def test_a_tuned_file_from_this_cpu_sets_what_the_environment_leaves_open(tmp_pa
     s = settings_of({"CAPSERVE_MODEL": str(tmp_path), "CAPSERVE_THREADS": "3", "CAPSERVE_WORKERS": "auto"})
     assert (s.workers, s.threads, s.max_batch_size) == (2, 3, 16)
     assert W.worker_count(s) == 2  # auto follows the measurement
-    assert s.sources["workers"] == s.sources["max_batch_size"] == f"tuned ({path}, {HERE.describe()})"
+    assert s.sources["workers"] == s.sources["max_batch_size"] == f"tuned ({path.name}, {HERE.describe()})"
     assert s.sources["threads"] == "CAPSERVE_THREADS"
     explicit = settings_of({"CAPSERVE_MODEL": str(tmp_path), "CAPSERVE_WORKERS": "1"})
     assert explicit.workers == 1 and explicit.sources["workers"] == "CAPSERVE_WORKERS"
@@ -153,7 +151,8 @@ def test_a_file_tuned_on_another_cpu_is_ignored_with_a_log_line(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="capserve.serving.tuned"):
         s = settings_of({"CAPSERVE_MODEL": str(tmp_path)})
     assert W.worker_count(s) == 1 and s.max_batch_size == 32 and set(s.sources.values()) == {"default"}
-    assert "ignoring the tuned file" in caplog.text and HERE.describe() in caplog.text
+    assert "ignoring the tuned file" in caplog.text
+    assert f"measured on {cpu.describe()}, this machine is {HERE.describe()}" in caplog.text
 
 
 def test_a_file_tuned_for_another_device_is_ignored(tmp_path, caplog):
@@ -193,6 +192,7 @@ def test_capserve_tuned_names_the_file_or_turns_it_off(tmp_path):
         ({"settings": {"max_batch": 8}}, "unknown choice"),
         ({"settings": {"backend": "tf"}}, "backend 'tf'"),
         ({"cpu": {"model": "x"}}, "lacks"),
+        ({"cpu": {"model": "x", "architecture": "x86_64", "features": "avx2", "cores": 2}}, "features must be a list"),
     ],
 )
 def test_a_broken_tuned_file_stops_the_server_in_one_line(tmp_path, change, message):
@@ -222,11 +222,12 @@ def test_get_model_says_where_each_choice_came_from(tiny_cifar10, tmp_path):
     described = capsules.describe()
     ServerDescription.model_validate(described)  # the documented schema, choices included
     choices = described["choices"]
-    source = f"tuned ({path}, {HERE.describe()})"
-    assert choices["workers"] == {"value": 2, "source": source} and described["workers"] == 2
-    assert choices["max_batch_size"] == {"value": 16, "source": source}
-    assert choices["threads"] == {"value": 1, "source": "CAPSERVE_THREADS"}
-    assert choices["backend"] == {"value": "onnxruntime", "source": source}
+    source = f"tuned ({TUNED_FILE}, {HERE.describe()})"
+    assert choices["workers"] == {"value": 2, "set_by": source} and described["workers"] == 2
+    assert choices["max_batch_size"] == {"value": 16, "set_by": source}
+    assert choices["threads"] == {"value": 1, "set_by": "CAPSERVE_THREADS"}
+    assert choices["backend"] == {"value": "onnxruntime", "set_by": source}
+    assert str(tmp_path) not in json.dumps(described)  # callers see no host path
     assert choices["artifact"]["value"] == "model.onnx"
 
 
@@ -248,7 +249,7 @@ def test_capserve_tune_writes_a_file_that_serve_reads_back(tiny_cifar10, tmp_pat
     tuned = read_tuned(folder / TUNED_FILE)
     assert tuned.settings["workers"] == 1 and tuned.measured[0]["requests_per_s"] > 0
     settings = settings_or_exit({"CAPSERVE_MODEL": str(folder), "CAPSERVE_MULTILABEL_MODEL": "none"})
-    assert settings.sources["workers"].startswith(f"tuned ({folder / TUNED_FILE}")
+    assert settings.sources["workers"].startswith(f"tuned ({TUNED_FILE}, ")
     assert W.worker_count(settings) == 1
 
 
