@@ -10,8 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -260,3 +263,28 @@ def test_tune_refuses_what_it_cannot_measure_in_one_line(tmp_path, capsys):
     assert "not a model folder" in capsys.readouterr().err
     assert main(["tune", str(tmp_path), "--budget", "0"]) == 2
     assert "--budget must be" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_tuned_file_travels_into_the_model_store_and_a_tag_reads_it(tiny_cifar10, tmp_path):
+    """`capserve export bentoml` copies tuned.json with the model, so a server (or a bento) of NAME reads it."""
+    import capserve.hardware
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_cifar10, folder)
+    tuned_file(folder, cpu=capserve.hardware.cpu_info())  # measured here
+    env = {**os.environ, "BENTOML_HOME": str(tmp_path / "bentoml"), "BENTOML_DO_NOT_TRACK": "True"}
+    env.pop(TUNED_VARIABLE, None)
+    script = (
+        "import sys; from capserve.cli import main\n"
+        "from capserve.serving import Settings\n"
+        "from capserve.serving.tuned import apply_tuned\n"
+        "assert main(['export', 'bentoml', sys.argv[1], '--name', 'tuned-model']) == 0\n"
+        "env = {'CAPSERVE_MODEL': 'tuned-model'}\n"
+        "s = apply_tuned(Settings.from_env(env), env)\n"
+        "print('RESULT', s.workers, s.max_batch_size, s.sources['workers'])"
+    )
+    command = [sys.executable, "-c", script, str(folder)]
+    r = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"RESULT 2 16 tuned ({TUNED_FILE}, " in r.stdout, r.stdout + r.stderr
