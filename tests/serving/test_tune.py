@@ -288,3 +288,21 @@ def test_the_tuned_file_travels_into_the_model_store_and_a_tag_reads_it(tiny_cif
     r = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"RESULT 2 16 tuned ({TUNED_FILE}, " in r.stdout, r.stdout + r.stderr
+
+
+def test_a_tuned_artifact_is_the_graph_served_from_the_model_folder(tiny_cifar10, tmp_path):
+    """A tuned file may choose another graph in the folder for onnxruntime (an INT8 one): the folder serves it,
+    with the folder's explanation graph."""
+    from capserve.serving.sources import open_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_cifar10, folder)
+    (folder / "model.onnx").rename(folder / "other.onnx")
+    tuned_file(folder, artifact="other.onnx")
+    env = {"CAPSERVE_MODEL": str(folder), "CAPSERVE_MULTILABEL_MODEL": "none"}
+    settings = settings_of(env)
+    assert settings.artifact == "other.onnx" and settings.sources["artifact"].startswith("tuned (")
+    runtime, explainer, _ = open_model(settings.model, settings)
+    assert Path(runtime.path).name == "other.onnx" and explainer is not None
+    with pytest.raises(ConfigurationError, match="has no model.onnx"):
+        open_model(settings.model, Settings.from_env(env))  # without the tuned file: model.onnx, which is gone
