@@ -311,6 +311,9 @@ def tune(
     run(first)
     run(worker_candidates(_best(measured, cores, first[0]), cores))
     run(batch_candidates(_best(measured, cores, first[0])))
+    if not any(m.valid for m in measured):
+        why = next((m.failure for m in measured if m.failure), "every answer had errors")
+        raise UsageError(f"no candidate served /classify without errors, nothing written: {why}")
     return Tuning(measured, choose(measured, cores), cpu, budget_s, skipped)
 
 

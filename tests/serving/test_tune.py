@@ -116,6 +116,16 @@ def test_tune_stops_within_its_budget_and_says_what_it_left(tmp_path):
     assert len(tune(tmp_path, 1, tiny, cpu=HERE, clock=tiny.clock, candidates=[FP32, BF16]).measurements) == 1
 
 
+def test_tune_says_why_when_no_candidate_served(tmp_path):
+    from capserve.errors import UsageError
+
+    def failing(candidate: Candidate, load_s: float) -> Measurement:
+        return Measurement(candidate, 0.0, 0.0, 0.0, 0, 5.0, failure="the server exited with 3: no model.onnx")
+
+    with pytest.raises(UsageError, match="nothing written: the server exited with 3"):
+        tune(tmp_path, 100, failing, cpu=HERE, candidates=[FP32])
+
+
 # ------------------------------------------------------------------------------------------ the tuned file
 
 
