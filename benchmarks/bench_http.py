@@ -15,8 +15,10 @@ First, the comparison with the alternatives a user could write, with ``wrk`` as 
 it takes little of the server's CPU) POSTing one 32×32 PNG as multipart (``benchmarks/multipart.lua``) to one server
 at a time (the others paused with SIGSTOP), servers interleaved over ``--table-rounds`` rounds, medians printed: raw
 ONNX Runtime at batch 32 in-process, then requests/s and p50 at each ``--table-concurrency`` (1, 32, 128; req/s at
-32 also ÷ raw) and the server's CPU time per request at the largest, for plain FastAPI + ONNX Runtime servers (one
-image per run, ``benchmarks/peers/fastapi_server.py``: ``/classify``, and ``/multilabel`` on the multi-label model;
+32 also ÷ raw) and the server's CPU time per request at the largest (and its event loops' share; raw's CPU per
+image beside it), and for servers with several workers how the connections at c=32 fell to them, for plain
+FastAPI + ONNX Runtime servers (one image per run, ``benchmarks/peers/fastapi_server.py``: ``/classify``, and
+``/multilabel`` on the multi-label model;
 once with ONNX Runtime's default session options, once with those a careful user sets, ``intra_op_num_threads`` =
 the cores and ``inter_op_num_threads`` = 1), LitServe with dynamic batching (max 32, 5 ms,
 ``benchmarks/peers/litserve_server.py``), and capserve's ``/classify`` and ``/multilabel`` with each
@@ -43,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 from capserve.data.preprocess import normalize_images  # noqa: E402
 from capserve.hardware import cpu_info  # noqa: E402
 from capserve.runtime import Runtime, load_runtime  # noqa: E402
+from capserve.serving.loadtest import load  # noqa: E402
 
 
 def random_model(directory: Path) -> Path:
@@ -206,48 +210,6 @@ class Server:
             self.proc.wait()
 
 
-async def load(
-    url: str, bodies: list[bytes], requests: int, concurrency: int, endpoint: str = "/classify?top_k=1", batch: int = 1
-) -> tuple[float, np.ndarray, dict]:
-    """``requests`` POSTs to ``endpoint``, at most ``concurrency`` in flight: (seconds, latencies in ms, errors).
-
-    ``batch`` > 1: each request is multipart with ``batch`` images in the field ``images`` (/classify_batch);
-    otherwise one raw PNG body.
-    """
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
-    next_index = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-
-        async def worker() -> None:
-            nonlocal next_index
-            while next_index < requests:
-                i = next_index
-                next_index += 1
-                t = time.perf_counter()
-                try:
-                    if batch > 1:
-                        files = [
-                            ("images", (f"{k}.png", bodies[(i + k) % len(bodies)], "image/png")) for k in range(batch)
-                        ]
-                        r = await client.post(endpoint, files=files)
-                    else:
-                        r = await client.post(
-                            endpoint, content=bodies[i % len(bodies)], headers={"content-type": "image/png"}
-                        )
-                    status = str(r.status_code)
-                except httpx.HTTPError as e:
-                    status = type(e).__name__
-                latencies.append((time.perf_counter() - t) * 1000)
-                if status != "200":
-                    errors[status] = errors.get(status, 0) + 1
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - start, np.array(latencies), errors
-
-
 def measure(servers: dict[str, Server], rounds: int, requests: int, *args: Any, **kwargs: Any) -> dict[str, tuple]:
     """``load`` against every server in turn, ``rounds`` times (``requests`` in all per server): each server sees
     the same background load. Server name → (seconds, latencies in ms, errors)."""
@@ -329,11 +291,35 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def loop_seconds(pid: int) -> float:
+    """CPU seconds so far of the main threads of a server's processes: their event loops (BentoML's workers and
+    uvicorn run theirs there), apart from inference and worker threads."""
+    total = 0.0
+    for p in process_tree(pid):
+        with contextlib.suppress(psutil.Error):
+            total += sum(t.user_time + t.system_time for t in p.threads() if t.id == p.pid)
+    return total
+
+
 def pause(pid: int, paused: bool) -> None:
     """SIGSTOP (or SIGCONT) a server's process tree: one server at a time gets the CPU."""
     for p in process_tree(pid):
         with contextlib.suppress(psutil.NoSuchProcess):
             p.suspend() if paused else p.resume()
+
+
+def connections_per_worker(server: Any, after: float) -> list[int]:
+    """After ``after`` seconds, the established connections on ``server``'s port held by each of its processes
+    (most first): with several BentoML workers, which worker accepted how many of the clients' connections."""
+    time.sleep(after)
+    port = urllib.parse.urlsplit(server.url).port
+    counts = []
+    for p in process_tree(server.proc.pid):
+        with contextlib.suppress(psutil.Error):
+            held = [c for c in p.net_connections("tcp") if c.status == "ESTABLISHED" and c.laddr.port == port]
+            if held:
+                counts.append(len(held))
+    return sorted(counts, reverse=True)
 
 
 def run_wrk(url: str, png: Path, concurrency: int, seconds: int) -> dict[str, float]:
@@ -357,6 +343,7 @@ class RawMeter:
 
     def __init__(self, models: dict[str, Path]):
         self.pool = ThreadPoolExecutor(1)
+        self.cpu_ms: list[float] = []  # this process's CPU ms per image of each measurement, in order
         self.runtimes = {key: open_runtime(path, "onnxruntime:fp32") for key, path in models.items()}
         self.inputs = {}
         for key, runtime in self.runtimes.items():
@@ -372,10 +359,12 @@ class RawMeter:
         runtime, x = self.runtimes[key], self.inputs[key]
         times: list[float] = []
         deadline = time.perf_counter() + seconds
+        cpu = time.process_time()
         while time.perf_counter() < deadline or len(times) < 3:
             t = time.perf_counter()
             runtime.predict(x)
             times.append(time.perf_counter() - t)
+        self.cpu_ms.append(1000 * (time.process_time() - cpu) / (len(x) * len(times)))
         return len(x) / float(np.median(times))
 
 
@@ -414,6 +403,7 @@ def peer_table(
     started: list[Any] = []
     figures: dict[str, dict[str, list[float]]] = {}
     busiest = max(concurrency)
+    split_at = 32 if 32 in concurrency else busiest  # the concurrency whose connections per worker are printed
     try:
         for name, module, command, env in (
             [
@@ -447,20 +437,25 @@ def peer_table(
         for server in started:
             pause(server.proc.pid, True)
 
-        keys = ["raw", "cpu", "errors"] + [f"{what}@{c}" for c in concurrency for what in ("rps", "p50")]
+        keys = ["raw", "raw_cpu", "cpu", "loop", "errors", "split"]
+        keys += [f"{what}@{c}" for c in concurrency for what in ("rps", "p50")]
         figures = {name: {key: [] for key in keys} for name in servers}
         for _ in range(rounds):
             for name, (server, path, upload, key) in servers.items():
                 f = figures[name]
                 f["raw"].append(raw(key, 2.0))
+                f["raw_cpu"].append(raw.cpu_ms[-1])
                 pause(server.proc.pid, False)
                 try:
                     run_wrk(server.url + path, upload, 8, 1)  # warm-up
                     errors: dict[str, int] = {}
                     for c in concurrency:
-                        cpu = cpu_seconds(server.proc.pid)
-                        result = run_wrk(server.url + path, upload, c, seconds)
+                        cpu, loop = cpu_seconds(server.proc.pid), loop_seconds(server.proc.pid)
+                        with ThreadPoolExecutor(1) as pool:  # which worker holds the connections, mid-run
+                            split = pool.submit(connections_per_worker, server, min(1.0, seconds / 2))
+                            result = run_wrk(server.url + path, upload, c, seconds)
                         cpu = cpu_seconds(server.proc.pid) - cpu
+                        loop = loop_seconds(server.proc.pid) - loop
                         f[f"rps@{c}"].append(result["requests"] / result["seconds"])
                         f[f"p50@{c}"].append(result["p50_ms"])
                         kinds = {k: result[k] for k in ("connect", "read", "write", "timeout")}
@@ -470,6 +465,9 @@ def peer_table(
                                 errors[f"{kind} @ c={c}"] = errors.get(f"{kind} @ c={c}", 0) + int(n)
                         if c == busiest:
                             f["cpu"].append(1000 * cpu / max(result["requests"], 1))
+                            f["loop"].append(1000 * loop / max(result["requests"], 1))
+                        if c == split_at:
+                            f["split"].append(split.result())
                 finally:
                     pause(server.proc.pid, True)
                 f["errors"].append(errors)
@@ -481,22 +479,25 @@ def peer_table(
     print(
         f"\npeers table: wrk, one 32×32 PNG as multipart, one server at a time, medians of {rounds} "
         f"interleaved rounds of {seconds:g} s per concurrency ({os.cpu_count()} CPUs); ÷ raw: req/s at c=32 against "
-        f"raw batch 32 measured just before each turn; CPU: the server's CPU ms per request at c={busiest}"
+        f"raw batch 32 measured just before each turn; CPU: the server's CPU ms per request at c={busiest}, loop: its "
+        "event loops' share of it (the processes' main threads)"
     )
     heads = "".join(f"{f'c={c} req/s':>12s}{'p50 ms':>8s}" for c in concurrency)
-    print(f"  {'server':46s}{heads}{'÷ raw':>7s}{'errors':>7s}{'CPU ms':>7s}")
+    print(f"  {'server':46s}{heads}{'÷ raw':>7s}{'errors':>7s}{'CPU ms':>7s}{'loop ms':>8s}")
     for key, label in (
         ("single", "raw ONNX Runtime, batch 32, in-process"),
         ("multi", "raw ONNX Runtime, multi-label model, batch 32"),
     ):
         measured = [r for name, f in figures.items() if servers[name][3] == key for r in f["raw"]]
         if measured:
-            print(f"  {label:46s}{np.median(measured):12.1f}  (img/s)")
+            cpu_ms = [r for name, f in figures.items() if servers[name][3] == key for r in f["raw_cpu"]]
+            print(f"  {label:46s}{np.median(measured):12.1f}  (img/s; {np.median(cpu_ms):.2f} CPU ms per image)")
     for name, f in figures.items():
         cells = "".join(f"{np.median(f[f'rps@{c}']):12.1f}{np.median(f[f'p50@{c}']):8.1f}" for c in concurrency)
         ratio = np.median(np.array(f["rps@32"]) / np.array(f["raw"])) if "rps@32" in f else float("nan")
         total = sum(sum(e.values()) for e in f["errors"])
-        print(f"  {name:46s}{cells}{ratio:7.2f}{total:7d}{np.median(f['cpu']):7.2f}", flush=True)
+        cpu_ms = f"{np.median(f['cpu']):7.2f}{np.median(f['loop']):8.2f}"
+        print(f"  {name:46s}{cells}{ratio:7.2f}{total:7d}{cpu_ms}", flush=True)
     for name, f in figures.items():  # which kind of error (socket errors, HTTP status codes), at which concurrency
         kinds: dict[str, int] = {}
         for e in f["errors"]:
@@ -504,6 +505,10 @@ def peer_table(
                 kinds[k] = kinds.get(k, 0) + v
         if kinds:
             print(f"  errors of {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())), flush=True)
+    for name, f in figures.items():  # BentoML's workers share one socket: how the connections fell to them
+        if any(len(split) > 1 for split in f["split"]):
+            splits = ", ".join("/".join(map(str, split)) for split in f["split"])
+            print(f"  connections per worker of {name} at c={split_at}, each round: {splits}", flush=True)
     for server in started:  # capserve logs why adaptive batching shed requests (its estimate of their wait)
         if isinstance(server, Server):
             for line in server.log.read_text(errors="replace").splitlines():

@@ -26,6 +26,7 @@ COMMANDS = {
     "export": ("capserve.export.cli", "export a checkpoint to ONNX, or an ONNX file to a TensorRT engine"),
     "verify": ("capserve.export.cli", "compare an exported artifact with eager PyTorch", "verify"),
     "serve": ("capserve.serving.cli", "serve a model over HTTP (bentoml serve of capserve's service)"),
+    "tune": ("capserve.serving.tune", "measure the serving choices on this machine; serve then uses them"),
     "predict": ("capserve.predict.cli", "the service's answers for files, folders or CSVs, without a server"),
     "models": ("capserve.cli", "list the named model configurations with their parameter counts"),
 }

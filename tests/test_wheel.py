@@ -134,9 +134,9 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
         described = httpx.get(f"{url}/model", timeout=30).json()
         assert described["single_label"]["name"] == "cifar10-resnet" and described["multi_label"] is None
         assert "<title>capserve</title>" in httpx.get(f"{url}/ui/", timeout=30).text  # the page is package data
-        default = worker_count(Settings())  # CAPSERVE_WORKERS unset: auto, 2 workers on 2 cores or more
-        assert described["workers"] == default, described
-        assert described["lone_request_threads"] == described["threads"] * default  # idle cores are lent
+        default = worker_count(Settings())  # CAPSERVE_WORKERS unset, no tuned file: auto, one worker on a CPU
+        assert described["workers"] == default == 1, described
+        assert described["choices"]["workers"] == {"value": 1, "set_by": "default"}, described
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -25,7 +25,8 @@ from .onnx import read_metadata
 log = logging.getLogger(__name__)
 
 ONNX, EXPLAIN_ONNX = "model.onnx", "model-explain.onnx"
-OPTIONAL = ("model.plan", "model.plan.json", "MODEL_CARD.md")  # copied when present
+# copied when present; the tuned file travels with the model into a bento (capserve.serving.tuned)
+OPTIONAL = ("model.plan", "model.plan.json", "MODEL_CARD.md", "tuned.json")
 MODULE = "capserve"  # the stored model's framework ("module") in `bentoml models list`
 
 

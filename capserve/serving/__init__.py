@@ -1,8 +1,8 @@
 """The HTTP service as plain Python (``service.py`` is a thin BentoML shell over it): ``Capsules`` (settings in,
 one method per endpoint, answers as the ``schemas``), ``RequestGuard`` (the ASGI middleware in front of BentoML)
 and ``setup_server`` (the service module's import-time work). Everything else is imported from its own module:
-``settings``, ``sources``, ``batching``, ``cores``, ``workers``, ``routes``, ``openapi``, ``process``, ``answers``,
-``explain``, ``ui``. BentoML is imported only inside the functions that need it.
+``settings``, ``tuned``, ``tune``, ``loadtest``, ``sources``, ``batching``, ``workers``, ``routes``, ``openapi``,
+``process``, ``answers``, ``explain``, ``ui``. BentoML is imported only inside the functions that need it.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ per endpoint), the errors it refuses requests with (``RequestError``, ``http_err
 (``decode``).
 
 ``service.py`` is a thin BentoML shell over ``Capsules``. BentoML is imported only inside the functions that need
-it (its exception types, its version); adaptive batching is ``capserve.serving.batching``'s, the cores lent between
-workers ``capserve.serving.cores``'s, model loading ``capserve.serving.sources``'s.
+it (its exception types, its version); adaptive batching is ``capserve.serving.batching``'s, model loading
+``capserve.serving.sources``'s.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from capserve.serving.batching import (
     Batcher,
     batch_size_histogram,
 )
-from capserve.serving.cores import CoreLending
 from capserve.serving.explain import Occlusion, heatmap_png, occlusion, occlusion_png, selectivity, vs_uniform
 from capserve.serving.guard import remember_error
 from capserve.serving.process import leave_failed_worker, report_failed_start
 from capserve.serving.routes import ARRAY_ROUTES, NO_MULTILABEL_MODEL
 from capserve.serving.schemas import Capsule, Classification, Explained, MultiLabel, Occluded
 from capserve.serving.settings import Settings
-from capserve.serving.sources import EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model
+from capserve.serving.sources import ARTIFACTS, EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model
+from capserve.serving.tuned import CHOICES
 from capserve.serving.workers import Worker, assign
 
 log = logging.getLogger("capserve.service")
@@ -136,8 +136,6 @@ class Capsules:
                 if runtime is not None and self.batching
             }
             self._pending = {False: 0, True: 0}  # multilabel → single-image requests decoding, queued or running
-            # several CPU workers lend each other idle cores for lone requests (capserve.serving.cores)
-            self.cores = CoreLending(self.worker, settings, runtimes)
             self._warm_up()
             self.input_shapes = {
                 route: tuple(runtimes[multilabel].metadata.input_shape)  # (C, H, W)
@@ -166,7 +164,7 @@ class Capsules:
         """One inference per loaded runtime (and explanation graph): readiness means a real answer came back."""
         try:
             served = (self.runtime, self.multilabel_runtime, self.explainer)
-            others = (*(batcher.runtime for batcher in self.batchers.values()), *self.cores.wide.values())
+            others = [batcher.runtime for batcher in self.batchers.values()]
             batch_sessions = [r for r in others if all(r is not s for s in served)]
             for runtime in (*served, *batch_sessions):
                 if runtime is None:
@@ -202,21 +200,16 @@ class Capsules:
     def fail(self, status: int, message: str) -> Exception:
         return self.error(RequestError(status, message))
 
-    def predict(
-        self, runtime: Runtime, pixels: np.ndarray, wide: Runtime | None = None, batch_size: int | None = None
-    ) -> np.ndarray:
+    def predict(self, runtime: Runtime, pixels: np.ndarray, batch_size: int | None = None) -> np.ndarray:
         """uint8 (B, C, H, W) → float32 logits (B, classes), ``batch_size`` images at a time (default all); bad
-        pixels or shapes are 400s. ``wide``: the same graph on every worker's threads, run instead when this worker
-        may borrow the others' idle cores."""
+        pixels or shapes are 400s."""
         if pixels.dtype != np.uint8:  # JSON tensors arrive as int64
             if pixels.dtype.kind not in "iu" or pixels.size == 0 or pixels.min() < 0 or pixels.max() > 255:
                 raise self.fail(400, f"images must be integer pixels in [0, 255], got {pixels.dtype} values")
             pixels = pixels.astype(np.uint8)
         try:
             x = normalize_images(pixels, runtime.metadata)
-            with self.cores.running(wide is not None) as borrowed:
-                chosen = wide if borrowed and wide is not None else runtime
-                return chosen.predict_in_batches(x, batch_size or max(len(x), 1))
+            return runtime.predict_in_batches(x, batch_size or max(len(x), 1))
         except InputError as e:
             raise self.fail(400, str(e)) from e
 
@@ -244,12 +237,11 @@ class Capsules:
         runtime = self.multilabel_model() if multilabel else self.runtime
         max_pixels = self.settings.max_pixels
 
-        def decode_and_predict() -> np.ndarray:  # a lone request: it may borrow idle workers' cores
+        def decode_and_predict() -> np.ndarray:
             pixels = decode(image, runtime, max_pixels)[None]  # (1, C, H, W)
-            return self.predict(runtime, pixels, wide=self.cores.wide.get(multilabel))  # (1, classes)
+            return self.predict(runtime, pixels)  # (1, classes)
 
         self._pending[multilabel] += 1
-        self.cores.requests(sum(self._pending.values()))
         try:
             if not self.batching:
                 return await self.run(decode_and_predict)
@@ -262,7 +254,6 @@ class Capsules:
             return await self.batchers[multilabel](pixels[None])
         finally:
             self._pending[multilabel] -= 1
-            self.cores.requests(sum(self._pending.values()))
 
     def decode_small(self, image: Upload, runtime: Runtime) -> np.ndarray | None:
         """``image`` decoded right here, on the event loop, when it is small (``INLINE_DECODE_BYTES``,
@@ -329,8 +320,7 @@ class Capsules:
 
         def run() -> Explanation:
             x = normalize_images(pixels[None], meta)
-            with self.cores.running():
-                return explainer.explain(x)
+            return explainer.explain(x)
 
         def occlude() -> Occlusion:  # every occluded copy in one call, split into the server's batches
             def logits_of(copies: np.ndarray) -> np.ndarray:
@@ -405,7 +395,7 @@ class Capsules:
             "workers": self.worker.count,
             "device": self.worker.device,
             "threads": self.worker.threads,
-            "lone_request_threads": self.cores.threads,
+            "lone_request_threads": self.worker.threads,
             "ui": s.ui,
             "single_label": model(self.runtime, self.source),
             "multi_label": model(self.multilabel_runtime, self.multilabel_source),
@@ -418,4 +408,19 @@ class Capsules:
             },
             "limits": {"max_bytes": s.max_bytes, "max_pixels": s.max_pixels, "max_images": s.max_images},
             "versions": {"capserve": self.runtime.metadata.capserve_version, "bentoml": bentoml.__version__},
+            "choices": self.choices(),
         }
+
+    def choices(self) -> dict[str, dict[str, Any]]:
+        """Each choice a tuned file may make (capserve.serving.tuned), its value in use and what set it:
+        ``CAPSERVE_<NAME>``, ``tuned (FILE NAME, CPU)`` or ``default`` (no host path: callers see this)."""
+        s = self.settings
+        values = {
+            "backend": self.runtime.backend,
+            "precision": self.runtime.precision,
+            "artifact": s.artifact or ARTIFACTS.get(s.backend),
+            "workers": self.worker.count,
+            "threads": self.worker.threads,
+            "max_batch_size": s.max_batch_size,
+        }
+        return {name: {"value": values[name], "set_by": s.sources.get(name, "default")} for name in CHOICES}

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from capserve.errors import ConfigurationError
-from capserve.serving.cores import CORES_FOLDER_VARIABLE
 from capserve.serving.guard import QuietClientErrors
 from capserve.serving.routes import FILE_FIELDS, LIST_FIELDS, route_parameters, unavailable_routes
 from capserve.serving.settings import Settings, bento_environment
+from capserve.serving.tuned import apply_tuned
 from capserve.serving.workers import Worker, assign, current_index, worker_count
 
 # ---------------------------------------------------------------------------- the server process
@@ -119,7 +119,6 @@ def prepare_server_process() -> None:
       BentoML 1.4.40's process manager (circus) respawns the worker forever, or the server stops with status 0:
       orchestrators would see success. Fixed upstream when ``CAPSERVE_EXIT_ON_FAILURE=0 bentoml serve`` of a
       missing model exits non-zero by itself.
-    - Each server gets a folder for its workers' core locks (capserve.serving.cores).
     - Each server gets its own Prometheus folder: BentoML 1.4.40's default is one folder under BENTOML_HOME that
       every ``bentoml serve`` empties at start (``bentoml.serving.ensure_prometheus_dir``), resetting the
       ``/metrics`` of servers already running. Fixed upstream when that folder is per server (tests/serving's
@@ -134,10 +133,6 @@ def prepare_server_process() -> None:
     signal.signal(FAILED_START_SIGNAL, _on_failed_start)
     atexit.register(_exit_status)
     os.environ.setdefault(SERVER_PID_VARIABLE, str(os.getpid()))  # the server process: its workers inherit it
-    if CORES_FOLDER_VARIABLE not in os.environ:  # the server process: its workers share the core locks in it
-        cores = tempfile.mkdtemp(prefix="capserve-cores-")
-        os.environ[CORES_FOLDER_VARIABLE] = cores
-        atexit.register(shutil.rmtree, cores, True)
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:  # the server process (its workers inherit the variable)
         try:
             from bentoml._internal.configuration.containers import BentoMLContainer
@@ -180,12 +175,14 @@ def untraced_without_exporter() -> bool:
 
 
 def settings_or_exit(env: Mapping[str, str] | None = None) -> Settings:
-    """``Settings.from_env()`` for the service module's import: a bad setting stops the server with one line
-    and exit status 3, as a model that cannot load does, where BentoML 1.4.40 turns an exception at the service's
-    import into a traceback and status 1. To tell when upstream says it in one line: let the error raise and run
-    tests/serving/test_service.py's ``test_bad_setting_fails_startup_without_a_traceback``."""
+    """``Settings.from_env()`` with the tuned file's choices (``apply_tuned``) for the service module's import: a
+    bad setting stops the server with one line and exit status 3, as a model that cannot load does, where BentoML
+    1.4.40 turns an exception at the service's import into a traceback and status 1. To tell when upstream says it
+    in one line: let the error raise and run tests/serving/test_service.py's
+    ``test_bad_setting_fails_startup_without_a_traceback``."""
+    env = os.environ if env is None else env
     try:
-        return Settings.from_env(env)
+        return apply_tuned(Settings.from_env(env), env)
     except ConfigurationError as e:
         print(f"capserve cannot start: {e}", file=sys.stderr, flush=True)
         raise SystemExit(FAILED_START_EXIT_CODE) from None

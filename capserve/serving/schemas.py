@@ -125,6 +125,13 @@ class Versions(BaseModel):
     bentoml: str
 
 
+class Choice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    value: int | str | None = Field(description="the value in use")
+    set_by: str = Field(description="what set it: CAPSERVE_<NAME>, 'tuned (FILE NAME, CPU)' or 'default'")
+
+
 class ServerDescription(BaseModel):
     """``GET /model``: what the server runs."""
 
@@ -134,11 +141,7 @@ class ServerDescription(BaseModel):
     workers: int = Field(ge=1, description="how many workers the server runs")
     device: str = Field(description="where this worker runs: cpu, or its GPU (cuda:N)")
     threads: int = Field(ge=1, description="intra-op threads of this worker's sessions")
-    lone_request_threads: int = Field(
-        ge=1,
-        description="threads a lone request may run on: every worker's when "
-        "several CPU workers lend each other idle cores, else this worker's",
-    )
+    lone_request_threads: int = Field(ge=1, description="threads a lone request runs on: this worker's (threads)")
     ui: bool = Field(description="whether the web page is served at /ui (CAPSERVE_UI)")
     single_label: ServedModel
     multi_label: ServedModel | None
@@ -146,6 +149,10 @@ class ServerDescription(BaseModel):
     batching: Batching
     limits: Limits
     versions: Versions
+    choices: dict[str, Choice] = Field(
+        description="each choice `capserve tune` may make (backend, precision, artifact, workers, threads, "
+        "max_batch_size): its value and what set it (docs/deploy.md)"
+    )
 
 
 class ErrorBody(BaseModel):

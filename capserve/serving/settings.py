@@ -12,7 +12,7 @@ from capserve.errors import ConfigurationError
 from capserve.runtime import BACKENDS
 from capserve.runtime.precision import BF16_MIN_AGREEMENT, PRECISIONS
 
-# CAPSERVE_WORKERS's default: "auto" (capserve.serving.workers.worker_count; on a CPU up to MAX_AUTO_CPU_WORKERS);
+# CAPSERVE_WORKERS's default: "auto" (capserve.serving.workers.worker_count: the tuned file's, else one on a CPU);
 # docs/deploy.md ("Workers") has what was measured
 DEFAULT_WORKERS: int | None = None
 
@@ -55,6 +55,11 @@ class Settings:
     ui: bool = True  # the web page at /ui (capserve.serving.ui); False: /ui is a 404
     # the keys a caller may send as ``Authorization: Bearer KEY``; empty: the server is open (repr=False: never logged)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # the graph file in the model folder that onnxruntime serves (None: model.onnx); set by a tuned file only
+    artifact: str | None = None
+    # where each choice a tuned file may make came from: CAPSERVE_<NAME>, "default" or "tuned (FILE NAME, CPU)"
+    # (capserve.serving.tuned.apply_tuned; empty until it ran)
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -89,7 +89,9 @@ def open_model(spec: str, settings: Settings, explain: bool = True) -> tuple[Run
                 path, settings.device, settings.iterations, settings.precision, settings.bf16_min_agreement
             )
             return runtime, runtime if explain and has_routing(runtime) else None, source
-        artifact = path / ARTIFACTS[settings.backend]
+        # a tuned file may choose another graph in the folder for onnxruntime (an INT8 one, capserve.serving.tuned)
+        named = settings.artifact if settings.backend == "onnxruntime" else None
+        artifact = path / (named or ARTIFACTS[settings.backend])
         if not artifact.is_file():
             fix = (
                 f"capserve export onnx {path} -o {artifact}"

@@ -16,12 +16,11 @@ from capserve.errors import ConfigurationError
 from capserve.hardware import available_cores
 from capserve.serving.settings import Settings
 
-# What CAPSERVE_WORKERS=auto (the default) starts on a CPU: one worker per CORES_PER_CPU_WORKER cores, at most
-# MAX_AUTO_CPU_WORKERS, the most that `benchmarks/bench_http.py --table-only` has measured ahead of one worker
-# (docs/deploy.md, "Workers"; the workers lend each other idle cores, capserve.serving.cores). Each worker holds its
-# own models and libraries, so on larger nodes CAPSERVE_WORKERS is set to a number.
-CORES_PER_CPU_WORKER = 1
-MAX_AUTO_CPU_WORKERS = 2
+# What CAPSERVE_WORKERS=auto (the default) starts on a CPU without a tuned file measured there: one worker, with
+# every core. More workers are not safe unmeasured: BentoML's workers share one listening socket, keep-alive
+# connections stay with the worker that accepted them, and one worker can hold most of them while each has only
+# its share of the cores (docs/deploy.md, "Workers"). `capserve tune` measures whether more workers pay here.
+AUTO_CPU_WORKERS = 1
 
 
 def visible_gpus(env: Mapping[str, str] | None = None) -> int:
@@ -48,10 +47,10 @@ def on_gpu(settings: Settings) -> bool:
     return settings.device == "cuda" or settings.device.startswith("cuda:")
 
 
-def worker_count(settings: Settings, cores: int | None = None, gpus: int | None = None) -> int:
-    """``CAPSERVE_WORKERS`` resolved: the number given, or for ``auto`` one worker per visible GPU when serving on
-    ``cuda`` (one for a named ``cuda:N``), and on a CPU one per ``CORES_PER_CPU_WORKER`` cores, at most
-    ``MAX_AUTO_CPU_WORKERS``."""
+def worker_count(settings: Settings, gpus: int | None = None) -> int:
+    """``CAPSERVE_WORKERS`` resolved: the number given (or the tuned file's, capserve.serving.tuned), or for
+    ``auto`` one worker per visible GPU when serving on ``cuda`` (one for a named ``cuda:N``), and on a CPU
+    ``AUTO_CPU_WORKERS``."""
     if settings.workers is not None:
         return settings.workers
     if settings.device.startswith("cuda:"):
@@ -65,8 +64,7 @@ def worker_count(settings: Settings, cores: int | None = None, gpus: int | None 
                 "set CAPSERVE_DEVICE=cpu, or CAPSERVE_WORKERS to a number"
             )
         return gpus
-    cores = available_cores() if cores is None else cores
-    return min(max(1, cores // CORES_PER_CPU_WORKER), MAX_AUTO_CPU_WORKERS)
+    return AUTO_CPU_WORKERS
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,518 @@
+"""``capserve tune MODEL [--budget S] [--out FILE]``: the serving choices measured on the machine that will serve,
+written to the tuned file (capserve.serving.tuned).
+
+Each candidate is the real server (``bentoml serve`` of capserve's service, as ``capserve serve`` starts it) under
+``/classify`` load from ``capserve.serving.loadtest``: 32 concurrent keep-alive clients (its score, requests/s),
+then one client at a time (p50, for the table). The candidates come in three steps, each from the best of the one
+before, so that the likely best are measured first and a spent budget leaves the most useful ones measured:
+
+1. the runtime on one worker with every core: ONNX Runtime fp32 (the default), an INT8 graph found in the model
+   folder, torch bf16 where the CPU does bf16 natively, and ONNX Runtime's CUDA provider and a TensorRT engine
+   where a GPU is visible;
+2. workers x intra-op threads (1 .. the cores) with that runtime (on GPUs: one worker per GPU, as ``auto``);
+3. adaptive batching's largest batch (``CAPSERVE_MAX_BATCH_SIZE``) around the default of 32.
+
+``CAPSERVE_MAX_LATENCY_MS`` is not searched: it is when adaptive batching sheds a request with a 503, not a
+throughput knob, and every candidate keeps the default. ``choose`` picks the best requests/s among the candidates
+without errors, and among those within ``TIE`` of it the simplest (``Candidate.simplicity``): a near-tie is noise
+on a shared machine, and the simpler configuration is the one a reader can reason about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from capserve.errors import UsageError
+from capserve.hardware import CpuInfo, cpu_info
+from capserve.serving.cli import SERVICE
+from capserve.serving.loadtest import load
+from capserve.serving.settings import Settings
+from capserve.serving.sources import ARTIFACTS, EXPLAIN_ARTIFACT, resolve_model
+from capserve.serving.tuned import TUNED_FILE, TUNED_VARIABLE, Tuned, write_tuned
+from capserve.serving.workers import visible_gpus
+
+__all__ = [
+    "BATCH_SIZES",
+    "CONCURRENCY",
+    "DEFAULT_BUDGET_S",
+    "TIE",
+    "Candidate",
+    "Measurement",
+    "Tuning",
+    "add_arguments",
+    "choose",
+    "int8_graphs",
+    "measure_server",
+    "run",
+    "runtime_candidates",
+    "tune",
+]
+
+log = logging.getLogger(__name__)
+
+CONCURRENCY = 32  # clients of the measurement that scores a candidate
+
+
+TIE = 0.02  # requests/s this close to the best count as a tie, broken toward the simpler candidate
+
+
+DEFAULT_BUDGET_S = 120.0  # --budget: about two minutes
+
+
+BATCH_SIZES = (16, 64)  # CAPSERVE_MAX_BATCH_SIZE tried beside the default (Settings.max_batch_size)
+
+
+RUNTIME_ORDER = {"onnxruntime fp32": 0, "onnxruntime int8": 1, "torch bf16": 2, "onnxruntime cuda": 3, "tensorrt": 4}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One server configuration: its runtime (backend, precision, the graph file for onnxruntime, device) and its
+    workers, intra-op threads per worker and largest adaptive batch."""
+
+    runtime: str = "onnxruntime fp32"  # a key of RUNTIME_ORDER
+    backend: str = "onnxruntime"
+    precision: str = "auto"
+    artifact: str | None = None  # onnxruntime's graph in the model folder; None: model.onnx
+    device: str = "cpu"
+    workers: int = 1
+    threads: int = 1
+    max_batch_size: int = Settings.max_batch_size
+
+    def environment(self) -> dict[str, str]:
+        """The ``CAPSERVE_*`` variables that make a server this candidate (its graph: ``settings``'s artifact)."""
+        return {
+            "CAPSERVE_BACKEND": self.backend,
+            "CAPSERVE_PRECISION": self.precision,
+            "CAPSERVE_DEVICE": self.device,
+            "CAPSERVE_WORKERS": str(self.workers),
+            "CAPSERVE_THREADS": str(self.threads),
+            "CAPSERVE_MAX_BATCH_SIZE": str(self.max_batch_size),
+        }
+
+    def settings(self) -> dict[str, object]:
+        """This candidate as a tuned file's settings (capserve.serving.tuned.CHOICES)."""
+        chosen: dict[str, object] = {
+            "backend": self.backend,
+            "precision": self.precision,
+            "workers": self.workers,
+            "threads": self.threads,
+            "max_batch_size": self.max_batch_size,
+        }
+        return {**chosen, "artifact": self.artifact} if self.artifact else chosen
+
+    def label(self) -> str:
+        threads = "thread" if self.threads == 1 else "threads"
+        workers = "worker" if self.workers == 1 else "workers"
+        return (
+            f"{self.runtime}{f' ({self.artifact})' if self.artifact else ''}, {self.workers} {workers} x "
+            f"{self.threads} {threads}, batch {self.max_batch_size}"
+        )
+
+    def simplicity(self, cores: int) -> tuple[int, ...]:
+        """Smaller is simpler: fewer workers, the default runtime, the default batch, each worker with its share
+        of the cores (the default threads), then fewer threads."""
+        return (
+            self.workers,
+            RUNTIME_ORDER.get(self.runtime, len(RUNTIME_ORDER)),
+            int(self.max_batch_size != Settings.max_batch_size),
+            int(self.threads != max(1, cores // self.workers)),
+            self.threads,
+        )
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A candidate's figures: requests/s at ``CONCURRENCY`` clients (its score), p50 latency there and at one
+    client, answers other than 200, and the seconds the whole measurement took (start-up included)."""
+
+    candidate: Candidate
+    requests_per_s: float
+    p50_ms: float
+    p50_one_ms: float
+    errors: int
+    seconds: float
+    failure: str = ""  # why the server did not start or answer; the candidate then counts as unmeasured
+
+    @property
+    def valid(self) -> bool:
+        return not self.failure and self.errors == 0 and self.requests_per_s > 0
+
+    def row(self) -> dict[str, object]:
+        """The tuned file's record of this measurement."""
+        return {
+            "candidate": self.candidate.label(),
+            "settings": self.candidate.settings(),
+            "requests_per_s": round(self.requests_per_s, 2),
+            "p50_ms": round(self.p50_ms, 2),
+            "p50_one_client_ms": round(self.p50_one_ms, 2),
+            "errors": self.errors,
+            **({"failure": self.failure} if self.failure else {}),
+        }
+
+
+def choose(measurements: Sequence[Measurement], cores: int, tie: float = TIE) -> Measurement:
+    """The best measurement: the most requests/s among those without errors, the simplest among those within
+    ``tie`` of it. ``ValueError`` when none is valid."""
+    valid = [m for m in measurements if m.valid]
+    if not valid:
+        raise ValueError("no candidate was measured without errors")
+    best = max(m.requests_per_s for m in valid)
+    near = [m for m in valid if m.requests_per_s >= best * (1 - tie)]
+    return min(near, key=lambda m: (m.candidate.simplicity(cores), -m.requests_per_s))
+
+
+def int8_graphs(folder: Path) -> list[str]:
+    """The INT8 graphs in a model folder: ``.onnx`` files (not the fp32 ``model.onnx`` or an explanation graph)
+    that ONNX Runtime loads with precision int8 (as ``capserve export onnx --int8`` writes them). Nothing is
+    quantized here."""
+    from capserve.runtime import load_runtime
+
+    found = []
+    for path in sorted(folder.glob("*.onnx")):
+        if path.name in (ARTIFACTS["onnxruntime"], EXPLAIN_ARTIFACT) or path.name.endswith("-explain.onnx"):
+            continue
+        try:
+            runtime = load_runtime(path, "onnxruntime", "cpu", threads=1)
+        except Exception as e:  # not a graph capserve serves here (the runtime says why): not a candidate
+            log.warning("not measuring %s: %s", path, e)
+            continue
+        if runtime.precision == "int8":
+            found.append(path.name)
+    return found
+
+
+def runtime_candidates(folder: Path, cores: int, gpus: int) -> list[Candidate]:
+    """Step 1's candidates that apply to ``folder`` on this machine, the default first."""
+    from capserve.runtime.precision import native_bf16
+
+    share = dict(workers=1, threads=max(1, cores))
+    out = []
+    if (folder / ARTIFACTS["onnxruntime"]).is_file():
+        out.append(Candidate(**share))
+        out += [Candidate("onnxruntime int8", artifact=name, **share) for name in int8_graphs(folder)]
+    if native_bf16().native:
+        out.append(Candidate("torch bf16", backend="torch", precision="bf16", **share))
+    if gpus:
+        import onnxruntime
+
+        if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+            out.append(Candidate("onnxruntime cuda", device="cuda", workers=gpus, threads=1))
+        if (folder / ARTIFACTS["tensorrt"]).is_file():
+            out.append(Candidate("tensorrt", backend="tensorrt", device="cuda", workers=gpus, threads=1))
+    return out
+
+
+def worker_candidates(best: Candidate, cores: int) -> list[Candidate]:
+    """Step 2: workers x threads around ``best`` (each worker's share of the cores first, then all cores per
+    worker, then one thread); on GPUs none (one worker per GPU)."""
+    if best.device != "cpu":
+        return []
+    out: list[Candidate] = []
+    for workers in range(1, min(cores, 4) + 1):
+        for threads in dict.fromkeys((max(1, cores // workers), cores, 1)):
+            candidate = dataclasses.replace(best, workers=workers, threads=threads)
+            if candidate != best and candidate not in out:
+                out.append(candidate)
+    return out
+
+
+def batch_candidates(best: Candidate) -> list[Candidate]:
+    """Step 3: adaptive batching's largest batch around the default."""
+    return [dataclasses.replace(best, max_batch_size=size) for size in BATCH_SIZES if size != best.max_batch_size]
+
+
+@dataclass
+class Tuning:
+    """What ``tune`` did: every measurement in order, the chosen one, whether the budget cut it short, and the
+    candidates it left unmeasured."""
+
+    measurements: list[Measurement]
+    chosen: Measurement
+    cpu: CpuInfo
+    budget_s: float
+    skipped: list[Candidate]
+
+    def record(self, device: str) -> Tuned:
+        """The tuned file for this tuning."""
+        from capserve import __version__
+
+        return Tuned(
+            cpu={**self.cpu.to_dict(), "cores": self.cpu.cores},
+            device=device,
+            settings=self.chosen.candidate.settings(),
+            measured=[m.row() for m in self.measurements],
+            budget_s=self.budget_s,
+            capserve_version=__version__,
+        )
+
+
+Measure = Callable[[Candidate, float], Measurement]  # (candidate, seconds of load) → its measurement
+
+
+def tune(
+    folder: Path,
+    budget_s: float,
+    measure: Measure,
+    cpu: CpuInfo | None = None,
+    gpus: int = 0,
+    clock: Callable[[], float] = time.monotonic,
+    progress: Callable[[Candidate, int, float], None] | None = None,
+    candidates: Sequence[Candidate] | None = None,
+) -> Tuning:
+    """Measure the candidates in steps (module docstring) within ``budget_s`` seconds of ``clock``, and choose.
+
+    ``measure(candidate, seconds)`` runs one measurement; a candidate starts only when the longest measurement so
+    far still fits in what is left of the budget (the first always runs: there must be a choice). ``progress`` is
+    told each candidate as it starts, its number, and the seconds spent so far. ``candidates`` replaces step 1's
+    (tests; the default is ``runtime_candidates``)."""
+    cpu = cpu or cpu_info()
+    cores = cpu.cores
+    start = clock()
+    measured: list[Measurement] = []
+    skipped: list[Candidate] = []
+    load_s = load_seconds(budget_s)
+
+    def run(step: list[Candidate]) -> None:
+        for candidate in step:
+            spent = clock() - start
+            longest = max((m.seconds for m in measured), default=0.0)
+            if measured and spent + longest > budget_s:
+                skipped.append(candidate)
+                continue
+            if progress:
+                progress(candidate, len(measured) + 1, spent)
+            result = measure(candidate, load_s)
+            if result.failure:
+                log.warning("%s: %s", candidate.label(), result.failure)
+            measured.append(result)
+
+    first = list(candidates) if candidates is not None else runtime_candidates(folder, cores, gpus)
+    if not first:
+        raise UsageError(f"{folder} has nothing capserve can serve here: export model.onnx first")
+    run(first)
+    run(worker_candidates(_best(measured, cores, first[0]), cores))
+    run(batch_candidates(_best(measured, cores, first[0])))
+    if not any(m.valid for m in measured):
+        why = next((m.failure for m in measured if m.failure), "every answer had errors")
+        raise UsageError(f"no candidate served /classify without errors, nothing written: {why}")
+    return Tuning(measured, choose(measured, cores), cpu, budget_s, skipped)
+
+
+def _best(measured: list[Measurement], cores: int, default: Candidate) -> Candidate:
+    try:
+        return choose(measured, cores).candidate
+    except ValueError:
+        return default
+
+
+def load_seconds(budget_s: float) -> float:
+    """Seconds of load at 32 clients per candidate: enough for the batches to settle, short enough that a default
+    budget measures the three steps (start-up takes longer than this on a small machine)."""
+    return float(np.clip(budget_s / 30, 1.0, 8.0))
+
+
+# ------------------------------------------------------------------------------------------ the real measurement
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _png(size: int, seed: int) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def running_server(folder: Path, candidate: Candidate, home: Path, timeout: float = 180) -> Iterator[str]:
+    """``bentoml serve`` of capserve's service (the command ``capserve serve`` runs) as ``candidate`` on
+    127.0.0.1, serving ``folder`` alone and reading no tuned file; yields its URL once ``/readyz`` answers 200,
+    stops it (SIGTERM, then SIGKILL of what is left of it and its workers) afterwards."""
+    import httpx
+    import psutil
+
+    port = _free_port()
+    env = {
+        **os.environ,
+        **candidate.environment(),
+        "CAPSERVE_MODEL": str(folder),
+        "CAPSERVE_MULTILABEL_MODEL": "none",
+        TUNED_VARIABLE: "none",
+        "CAPSERVE_UI": "0",
+        "BENTOML_HOME": str(home),
+        "BENTOML_DO_NOT_TRACK": "True",
+    }
+    if candidate.artifact:  # a graph other than model.onnx: the model given as that file
+        env["CAPSERVE_MODEL"] = str(folder / candidate.artifact)
+    log_path = home / f"server-{port}.log"
+    command = [sys.executable, "-m", "bentoml", "serve", SERVICE, "--host", "127.0.0.1", "--port", str(port)]
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    family: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}: {_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server was not ready after {timeout:.0f} s: {_tail(log_path)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        yield url
+    finally:
+        with contextlib.suppress(psutil.Error):
+            family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+        for p in family:  # BentoML's workers are process groups of their own: a killed server leaves them
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        proc.wait()
+
+
+def _tail(path: Path) -> str:
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return " | ".join(lines[-3:])[-600:]
+
+
+def measure_server(folder: Path, image_size: int, home: Path) -> Measure:
+    """The real ``Measure``: ``running_server`` under ``load``: a warm-up, ``seconds`` at ``CONCURRENCY`` clients
+    (requests/s, p50), then a third of that at one client (p50)."""
+    bodies = [_png(image_size, seed) for seed in range(16)]
+
+    def measure(candidate: Candidate, seconds: float) -> Measurement:
+        started = time.monotonic()
+        try:
+            with running_server(folder, candidate, home) as url:
+                asyncio.run(load(url, bodies, 4 * CONCURRENCY, CONCURRENCY, seconds=seconds / 2))  # warm-up
+                took, latencies, errors = asyncio.run(load(url, bodies, 10**9, CONCURRENCY, seconds=seconds))
+                _, one, one_errors = asyncio.run(load(url, bodies, 10**9, 1, seconds=max(seconds / 3, 0.5)))
+        except RuntimeError as e:
+            return Measurement(candidate, 0.0, 0.0, 0.0, 0, time.monotonic() - started, failure=str(e))
+        return Measurement(
+            candidate,
+            requests_per_s=len(latencies) / took,
+            p50_ms=float(np.percentile(latencies, 50)) if len(latencies) else 0.0,
+            p50_one_ms=float(np.percentile(one, 50)) if len(one) else 0.0,
+            errors=sum(errors.values()) + sum(one_errors.values()),
+            seconds=time.monotonic() - started,
+        )
+
+    return measure
+
+
+def temporary_home() -> tempfile.TemporaryDirectory[str]:
+    """A BentoML home of tune's own (its servers' logs and Prometheus folders), removed afterwards."""
+    return tempfile.TemporaryDirectory(prefix="capserve-tune-")
+
+
+# ------------------------------------------------------------------------------------------ the command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        help="the model folder (config.json, model.onnx; an INT8 graph in it is measured too) or NAME[:VERSION] "
+        "in BentoML's model store",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help="seconds to spend measuring (default %(default)g); the likely best candidates go first",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help=f"where to write the chosen settings (default MODEL/{TUNED_FILE}, which `capserve serve MODEL` reads; "
+        f"another path: serve with {TUNED_VARIABLE}=PATH)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure the candidates on this machine, print the table, write the tuned file."""
+    if importlib.util.find_spec("bentoml") is None:
+        raise UsageError("capserve tune needs BentoML: pip install 'capserve[serve]' (or capserve[gpu])")
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from capserve.model.checkpoint import read_config
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request of the load otherwise
+    if args.budget <= 0:
+        raise UsageError(f"--budget must be a positive number of seconds, got {args.budget:g}")
+    folder = resolve_model(args.model).path
+    if not (folder / "config.json").is_file():
+        raise UsageError(
+            f"MODEL {args.model!r} is not a model folder (no config.json): give a folder made by `capserve train` "
+            "or a NAME[:VERSION] saved with `capserve export bentoml`"
+        )
+    out = args.out or folder / TUNED_FILE
+    cpu = cpu_info()
+    gpus = visible_gpus()
+    console = Console(width=max(Console().width, 120))
+    console.print(f"CPU: {cpu.describe()}" + (f"; {gpus} GPU(s) visible" if gpus else ""))
+    console.print(f"measuring {folder} for up to {args.budget:g} s: each candidate a real server under /classify load")
+    with temporary_home() as home:
+        measure = measure_server(folder, read_config(folder).image_size, Path(home))
+        columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=True) as progress:
+            task = progress.add_task("starting", total=args.budget)
+
+            def started(candidate, number, spent):  # type: ignore[no-untyped-def]
+                progress.update(task, completed=min(spent, args.budget), description=f"{number}. {candidate.label()}")
+
+            tuning = tune(folder, args.budget, measure, cpu=cpu, gpus=gpus, progress=started)
+    table = Table(title=f"capserve tune {args.model}: /classify on {cpu.describe()}")
+    for heading in ("runtime", "workers", "threads", "batch", "req/s at 32", "p50 ms at 32", "p50 ms at 1", "errors"):
+        table.add_column(heading, justify="left" if heading == "runtime" else "right")
+    table.add_column("")
+    best = choose(tuning.measurements, cpu.cores, tie=0.0)
+    for m in tuning.measurements:
+        c = m.candidate
+        runtime = c.runtime + (f" ({c.artifact})" if c.artifact else "")
+        head = (runtime, str(c.workers), str(c.threads), str(c.max_batch_size))
+        if m.failure:
+            table.add_row(*head, "-", "-", "-", "-", f"failed: {m.failure[:80]}")
+            continue
+        mark = "chosen" if m is tuning.chosen else ("fastest" if m is best else "")
+        figures = (f"{m.requests_per_s:.1f}", f"{m.p50_ms:.1f}", f"{m.p50_one_ms:.1f}", str(m.errors))
+        table.add_row(*head, *figures, mark)
+    console.print(table)
+    if tuning.skipped:
+        console.print(f"not measured within --budget {args.budget:g}: " + "; ".join(c.label() for c in tuning.skipped))
+    write_tuned(tuning.record(tuning.chosen.candidate.device), out)
+    serve = f"capserve serve {args.model}" + (f" with {TUNED_VARIABLE}={out}" if args.out else "")
+    console.print(f"chosen: {tuning.chosen.candidate.label()}; written to {out} ({serve} reads it on this CPU)")
+    return 0
