@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from PIL import Image
 from support.inprocess import in_process_service
-from support.server import random_png
+from support.models import tiny_model
+from support.server import export, random_png
 
 from capserve.cli import main
 from capserve.predict import Predictor
@@ -200,3 +201,37 @@ def test_the_ray_data_recipe(folder, tmp_path, monkeypatch):
     assert len(table) == 30
     for row in table:
         assert not row["error"] and json.loads(row["answer"]) == local[row["path"]]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-labels", "3-labels"])
+def small_models(request, tmp_path_factory) -> tuple[tuple[str, ...], Path, Path]:
+    """(labels, a single-label model folder, a multi-label one), with 2 or 3 labels: fewer than the default 5."""
+    labels = ("circle", "square", "triangle")[: request.param]
+    tmp = tmp_path_factory.mktemp(f"labels{request.param}")
+    single = export(tiny_model("cifar10-simple", labels=labels), tmp / "single", explain=False)
+    multi = export(tiny_model("multimnist-matrix-small", labels=labels), tmp / "multi", explain=False)
+    return labels, single, multi
+
+
+def test_a_model_with_fewer_than_five_labels_answers_the_default_question(small_models, folder, tmp_path, capsys):
+    """No --top-k: up to 5 labels, so all of a 2- or 3-label model's; a multi-label model is never refused for a
+    top_k it does not use; an explicit --top-k above the labels is a clear error (exit 2), in the server's words."""
+    labels, single, multi = small_models
+    image = str(folder / "a" / "0.png")
+    out = tmp_path / "single.jsonl"
+    assert main(["predict", str(single), image, "--out", str(out)]) == 0
+    assert sorted(p["label"] for p in rows(out)[0]["predictions"]) == sorted(labels)
+    assert len(Predictor(str(single)).predict([image])[0]["predictions"]) == len(labels)
+    for top_k in ([], ["--top-k", "9"]):
+        out = tmp_path / f"multi{len(top_k)}.jsonl"
+        assert main(["predict", str(multi), image, "--out", str(out), *top_k]) == 0
+        assert set(rows(out)[0]["probabilities"]) == set(labels)
+    capsys.readouterr()
+    n = len(labels)
+    assert main(["predict", str(single), image, "--top-k", str(n + 1)]) == 2
+    err = capsys.readouterr().err
+    assert f"top_k={n + 1} but the model has {n} labels: give 1..{n}" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match=f"top_k={n + 1} but the model has {n} labels"):
+        Predictor(str(single), top_k=n + 1)
+    with pytest.raises(ValueError, match="threshold must be in"):
+        Predictor(str(multi), threshold=1.0)
