@@ -4,23 +4,31 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from support.data import write_marks
-from support.models import tiny_overrides
+from support.models import tiny_model, tiny_overrides
 
 import capserve
+import capserve.train.cli
 from capserve.cli import main
+from capserve.data.splits import Split
 from capserve.evaluate import metrics as ev
 from capserve.export.onnx import load_checkpoint
-from capserve.model.checkpoint import not_learned_warning
+from capserve.model.checkpoint import not_learned_warning, save_model
 from capserve.serving.settings import Settings
 from capserve.serving.sources import open_model
-from capserve.train.loop import has_learned, prior_score
+from capserve.train.loop import check_learned, has_learned, mark_not_learned, prior_score, verdict
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_orientations(root: Path, per_label: int, rng: np.random.Generator, informative: bool = True) -> Path:
@@ -229,3 +237,121 @@ def test_a_given_class_weights_is_kept_and_the_default_model_gates_its_children(
     assert json.loads((out / "train_config.json").read_text())["overrides"] == {"class_weights": "per_position"}
     assert "class capsule transforms" not in caplog.text
     assert capserve.get_config("cifar10-conv").activations
+
+
+# Marks a model folder as not learned on a disk that fills half-way through the new config.json: the file size limit
+# (RLIMIT_FSIZE, its signal ignored) makes every write past that many bytes fail with EFBIG, as a full disk would.
+FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+from capserve.train.loop import mark_not_learned
+best, limit = Path(sys.argv[1]), int(sys.argv[2])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    mark_not_learned(best, 0.3, 0.34)
+except OSError as e:
+    sys.exit(f"failed: {e}")
+"""
+
+
+def test_marking_a_run_not_learned_on_a_full_disk_leaves_best_whole(tmp_path):
+    """``best/config.json`` rewritten by the "did not learn" verdict: a write that fails half-way leaves the old
+    file, whole and loadable, and no partial file beside it; the next write succeeds."""
+    best = save_model(tiny_model("cifar10-simple"), tmp_path / "best")
+    before = (best / "config.json").read_bytes()
+    result = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(best), str(len(before) // 2)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1 and "failed: [Errno 27] File too large" in result.stderr, result.stderr[-2000:]
+    assert (best / "config.json").read_bytes() == before
+    assert capserve.load(best) is not None and not_learned_warning(best) is None
+    assert sorted(p.name for p in best.iterdir()) == ["config.json", "model.safetensors"]
+    mark_not_learned(best, 0.3, 0.34)
+    assert capserve.load(best) is not None and "did not learn" in not_learned_warning(best)
+
+
+def fake_run(tmp_path: Path, train_targets: list[int], val_targets: list[int], best_acc: float) -> SimpleNamespace:
+    """What ``check_learned`` reads of a finished run: its splits' targets, best epoch, model config and folder."""
+    labels = ("airplane", "automobile", "bird")[: max(train_targets + val_targets) + 1]
+    model = tiny_model("cifar10-simple", labels=labels)
+    out = tmp_path / "run"
+    save_model(model, out / "best")
+    (out / "metrics.jsonl").write_text(json.dumps({"epoch": 4, "train_acc": 0.6, "val_acc": best_acc}) + "\n")
+
+    def split(targets: list[int]) -> Split:
+        return Split(torch.zeros(len(targets), 3, 2, 2, dtype=torch.uint8), torch.tensor(targets))
+
+    return SimpleNamespace(
+        data=SimpleNamespace(train=split(train_targets), val=split(val_targets)),
+        state={"best_acc": best_acc, "best_epoch": 4},
+        model=model,
+        out=out,
+    )
+
+
+def test_the_prior_is_taken_from_the_training_split(tmp_path):
+    """Train 60/40, validation 40/60: always answering the training split's most common label scores 40 % on
+    validation, so a 62 % model over 100 images learned (the validation split's own majority, 60 %, is not the
+    prior: no model could know it)."""
+    run = fake_run(tmp_path, [0] * 60 + [1] * 40, [0] * 40 + [1] * 60, 0.62)
+    assert check_learned(run) == {"learned": True, "prior": pytest.approx(0.4)}
+    assert not_learned_warning(run.out / "best") is None
+
+
+def test_a_small_split_that_cannot_tell_says_so_and_does_not_fail_a_run_above_the_prior(tmp_path, caplog):
+    """300 pictures of 3 classes, 30 for validation: 53.3 % against a prior of 33.3 % is 20 points better, not
+    "no better than always answering airplane", but short of the 53.9 % that 30 images take to be clear of chance.
+    The run is not failed and best/ is not marked; a run at the prior still is."""
+    train_targets, val_targets = [0] * 91 + [1] * 90 + [2] * 89, [0, 1, 2] * 10
+    above = fake_run(tmp_path / "above", train_targets, val_targets, 16 / 30)
+    with caplog.at_level(logging.WARNING):
+        assert check_learned(above) == {"learned": None, "prior": pytest.approx(1 / 3)}
+    said = caplog.text
+    assert "too small to tell" in said and "no better than" not in said, said
+    for figure in ("30 images", "53.3 % (epoch 4)", "always answering airplane (33.3 %", "more than 53.9 %"):
+        assert figure in said, (figure, said)
+    assert not_learned_warning(above.out / "best") is None
+    at = fake_run(tmp_path / "at", train_targets, val_targets, 10 / 30)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert check_learned(at)["learned"] is False
+    assert "no better than always answering airplane (33.3 %" in caplog.text
+    assert "did not learn" in not_learned_warning(at.out / "best")
+
+
+@pytest.mark.parametrize(
+    ("best", "prior", "n", "learned", "says"),
+    [
+        (16 / 30, 1 / 3, 30, None, "is above always answering airplane (33.3 %"),
+        (14 / 30, 1 / 3, 30, None, "not clear of chance: on 30 images that takes more than 53.9 %"),
+        (17 / 30, 1 / 3, 30, True, ""),
+        (13 / 30, 1 / 3, 30, False, "is within chance of always answering airplane (33.3 %"),
+        (11 / 30, 1 / 3, 30, False, "a model that learned nothing reaches up to 45.3 %"),
+        (10 / 30, 1 / 3, 30, False, "is no better than always answering airplane (33.3 %"),
+        (9 / 30, 1 / 3, 30, False, "the run did not learn"),
+        (0.62, 0.4, 100, True, ""),
+        (1.0, 0.4, 5, None, "even 100 % would not clear"),
+        (0.2, 0.4, 5, None, "too small to tell a model that learned from one that did not"),
+    ],
+)
+def test_the_verdict_by_its_figures(best, prior, n, learned, says):
+    """Clear of two standard errors and one image above the prior: learned; within one standard error and one image
+    of it: did not learn (the best of a few epochs of a model that learned nothing gets that far by chance); between
+    the two, or on a split too small for even 100 % to clear the prior: the split cannot tell, and says so."""
+    said = verdict(best, prior, n, "airplane", "top-1", 4)
+    assert said.learned is learned and says in said.message, said
+    if best > prior:
+        assert "no better than" not in said.message
+
+
+@pytest.mark.parametrize(("learned", "code"), [(True, 0), (None, 0), (False, 1)])
+def test_only_a_run_at_the_prior_exits_non_zero(tmp_path, monkeypatch, capsys, learned, code):
+    """The exit status of ``capserve train`` follows the verdict: a split that cannot tell fails nothing."""
+    monkeypatch.setattr(capserve.train.cli, "train", lambda cfg, resume=None: {"learned": learned})
+    args = ["train", "--model", "cifar10-simple", "--data", str(tmp_path), "--out", str(tmp_path / "run")]
+    assert main(args) == code
