@@ -235,3 +235,67 @@ def test_a_model_with_fewer_than_five_labels_answers_the_default_question(small_
         Predictor(str(single), top_k=n + 1)
     with pytest.raises(ValueError, match="threshold must be in"):
         Predictor(str(multi), threshold=1.0)
+
+
+def test_max_failures_allows_exactly_its_fraction(folder, tmp_path, capsys):
+    """One bad file of two is 50 % failed: --max-failures 0.5 allows it (more than the fraction fails, not as much)."""
+    two = [str(folder / "a" / "0.png"), str(folder / "b" / "broken.png")]
+    assert main(["predict", CIFAR10, *two, "--out", str(tmp_path / "half.csv"), "--max-failures", "0.5"]) == 0
+    assert main(["predict", CIFAR10, *two, "--out", str(tmp_path / "less.csv"), "--max-failures", "0.49"]) == 1
+    assert "50.0% of the images failed (--max-failures 0.49)" in capsys.readouterr().err
+
+
+# capserve predict in a process that is killed (SIGKILL, nothing flushed on the way out) as its second batch starts
+KILLED_AT_THE_SECOND_BATCH = """
+import os, signal, sys
+from capserve.cli import main
+from capserve.predict.predictor import Predictor
+answer, calls = Predictor.answer, []
+def answer_then_die(self, pixels):
+    calls.append(len(pixels))
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return answer(self, pixels)
+Predictor.answer = answer_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_each_batch_is_on_disk_before_the_next_is_answered(folder, tmp_path, suffix):
+    """The rows of every answered batch are flushed before the next batch runs, so a kill keeps all of them."""
+    paths = list(expand([str(folder / "a")]))  # 5 images: batches of 2, 2 and 1
+    out = tmp_path / f"out{suffix}"
+    command = [sys.executable, "-c", KILLED_AT_THE_SECOND_BATCH, "predict", CIFAR10, *paths, "--out", str(out)]
+    result = subprocess.run(
+        [*command, "--batch-size", "2"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    kept = [r["path"] for r in csv.DictReader(out.open())] if suffix == ".csv" else [r["path"] for r in rows(out)]
+    assert kept == paths[:2]
+
+
+def test_a_manifest_names_images_relative_to_its_own_folder(folder, tmp_path, monkeypatch):
+    """A CSV's relative ``image`` paths are read from the CSV's folder, never from the working directory, even where
+    the working directory holds a different image under the same name."""
+    listed = tmp_path / "listed"
+    (listed / "pics").mkdir(parents=True)
+    (listed / "pics" / "x.png").write_bytes(random_png(20))
+    (listed / "list.csv").write_text("image,labels\npics/x.png,cat\n")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "pics").mkdir(parents=True)
+    (elsewhere / "pics" / "x.png").write_bytes(random_png(21, (40, 40)))
+    monkeypatch.chdir(elsewhere)
+    assert list(expand([str(listed / "list.csv")])) == [str(listed / "pics" / "x.png")]
+    out = tmp_path / "out.jsonl"
+    assert main(["predict", CIFAR10, str(listed / "list.csv"), "--out", str(out)]) == 0
+    (row,) = rows(out)
+    assert row.pop("path") == str(listed / "pics" / "x.png")
+    predictor = Predictor(CIFAR10)
+    assert (
+        row == predictor.predict([listed / "pics" / "x.png"])[0] != predictor.predict([elsewhere / "pics" / "x.png"])[0]
+    )
