@@ -425,7 +425,17 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
         state = load_state(last, model, opt, scaler, device)
         if d.main:
             drop_unsaved_epochs(out / "metrics.jsonl", state["epoch"])
-        log.info("resumed from %s at epoch %d, step %d", last, state["epoch"] + 1, state["step"])
+        if state["epoch"] >= cfg.epochs:  # a finished run (learned or not) is summed up again, never trained further
+            log.warning(
+                "%s already trained its %d epochs: --resume has nothing left to train, and sums the run up again "
+                "from best/ (the verdict on learning, multi-label thresholds, the test figure, summary.json). To "
+                "train further, start a new run from its weights: --init %s --epochs N",
+                out,
+                cfg.epochs,
+                out / "best",
+            )
+        else:
+            log.info("resumed from %s at epoch %d, step %d", last, state["epoch"] + 1, state["step"])
     run = Run(
         cfg,
         d,

@@ -31,14 +31,13 @@ from capserve.train.loop import check_learned, has_learned, mark_not_learned, pr
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def write_orientations(root: Path, per_label: int, rng: np.random.Generator, informative: bool = True) -> Path:
+def write_orientations(root: Path, per_label: int, rng: np.random.Generator) -> Path:
     """A kind of data no other test uses: a bar in random colours on random colours, horizontal, vertical or
-    diagonal, anywhere in the picture. ``informative=False`` draws the bar at random, whatever the label."""
+    diagonal, anywhere in the picture."""
     labels = ("horizontal", "vertical", "diagonal")
-    for li, label in enumerate(labels):
+    for kind, label in enumerate(labels):
         (root / label).mkdir(parents=True)
         for i in range(per_label):
-            kind = li if informative else int(rng.integers(3))
             bg, fg = rng.integers(0, 100, 3), rng.integers(156, 256, 3)
             pixels = np.broadcast_to(bg, (24, 24, 3)).copy()
             y, x = rng.integers(2, 10, 2)
@@ -68,30 +67,31 @@ def tiny_args(model: str = "cifar10-simple") -> list[str]:
     ]
 
 
+def write_one_picture(root: Path, train: int, val: int) -> Path:
+    """The same picture under every label, in ``train/`` and a balanced ``val/``: nothing to learn, and whatever a
+    model answers for it scores exactly the label prior (one third) on validation, on any machine."""
+    pixels = np.random.default_rng(3).integers(0, 256, (24, 24, 3), dtype=np.uint8)
+    for split, count in (("train", train), ("val", val)):
+        for label in ("horizontal", "vertical", "diagonal"):
+            (root / split / label).mkdir(parents=True)
+            for i in range(count):
+                Image.fromarray(pixels).save(root / split / label / f"{i}.png")
+    return root
+
+
 def test_a_run_that_learns_nothing_says_so_exits_non_zero_and_marks_best(tmp_path, capsys, caplog):
-    data = write_orientations(tmp_path / "noise", 24, np.random.default_rng(1), informative=False)
+    """...and the checkpoint it ends with is whole: ``--resume`` of the finished run says there is nothing left to
+    train, sums the run up again and gives the same verdict and exit status."""
+    data = write_one_picture(tmp_path / "one", train=12, val=8)
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO):
         code = main(
-            [
-                "train",
-                "--data",
-                str(data),
-                "--out",
-                str(out),
-                "--epochs",
-                "2",
-                "--val-size",
-                "24",
-                "--image-size",
-                "16",
-                *tiny_args(),
-            ]
+            ["train", "--data", str(data), "--out", str(out), "--epochs", "2", "--image-size", "16", *tiny_args()]
         )
     assert code == 1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["learned"] is False
-    assert "the run did not learn" in caplog.text and "always answering" in caplog.text
+    assert "the run did not learn" in caplog.text and "is no better than always answering" in caplog.text
     training = json.loads((out / "best" / "config.json").read_text())["training"]
     assert training["learned"] is False and training["prior_val"] == summary["prior_val_acc"]
     warning = not_learned_warning(out / "best")
@@ -104,6 +104,17 @@ def test_a_run_that_learns_nothing_says_so_exits_non_zero_and_marks_best(tmp_pat
         with caplog.at_level(logging.WARNING):
             opens()
         assert "did not learn" in caplog.text
+    assert json.loads((out / "last" / "trainer.json").read_text())["state"]["epoch"] == 2
+    assert capserve.load(out / "last") is not None and not [p for p in out.iterdir() if p.name.startswith(".")]
+    metrics = (out / "metrics.jsonl").read_text()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert main(["train", "--resume", str(out)]) == 1
+    assert f"{out} already trained its 2 epochs: --resume has nothing left to train" in caplog.text
+    assert "the run did not learn" in caplog.text and "resumed from" not in caplog.text
+    assert (out / "metrics.jsonl").read_text() == metrics  # nothing trained
+    assert json.loads((out / "summary.json").read_text())["learned"] is False
+    assert "did not learn" in not_learned_warning(out / "best")
 
 
 def test_the_prior_is_the_most_common_answer_and_learning_must_clear_its_noise():
