@@ -10,6 +10,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+__all__ = ["partial_file", "recover_directory", "replacing_directory", "swap_names", "write_whole"]
+
 log = logging.getLogger(__name__)
 
 
@@ -22,6 +24,16 @@ def partial_file(path: Path) -> Iterator[Path]:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def write_whole(path: str | Path, data: str | bytes) -> None:
+    """``data`` into ``path`` through ``partial_file``: a full disk or a kill half-way leaves the file that was there
+    (or none), whole; never half of the new one."""
+    with partial_file(Path(path)) as partial:
+        if isinstance(data, bytes):
+            partial.write_bytes(data)
+        else:
+            partial.write_text(data)
 
 
 def swap_names(directory: Path) -> tuple[Path, Path]:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from capserve.configs import ModelConfig
 from capserve.errors import CheckpointError
-from capserve.files import partial_file
+from capserve.files import partial_file, write_whole
 from capserve.hashing import file_sha256  # noqa: F401  (re-exported: the weights' digest)
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,7 @@ def save_model(model: nn.Module, directory: str | Path, extra: dict[str, Any] | 
     payload = {"format_version": FORMAT_VERSION, "config": model.config.to_dict(), **(extra or {})}
     with partial_file(directory / WEIGHTS) as partial:
         save_tensors(state, partial, metadata={"format": "pt"})
-    with partial_file(directory / CONFIG) as partial:
-        partial.write_text(json.dumps(payload, indent=2) + "\n")
+    write_whole(directory / CONFIG, json.dumps(payload, indent=2) + "\n")
     return directory
 
 

@@ -54,7 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "manifests (their image column) or - (one path per line on stdin)",
     )
     p.add_argument("--out", help="write the rows here: .csv or .jsonl (default: JSON Lines on stdout)")
-    p.add_argument("--top-k", type=int, default=5, help="single-label models: labels per image (default 5)")
+    p.add_argument(
+        "--top-k",
+        type=int,
+        help="single-label models: labels per image (default: up to 5, never more than the model has)",
+    )
     p.add_argument(
         "--threshold",
         type=float,

@@ -21,6 +21,7 @@ from PIL import Image
 from capserve.data.images import DEFAULT_MAX_PIXELS, ImageError, image_to_array
 from capserve.data.preprocess import normalize_images
 from capserve.errors import InputError
+from capserve.runtime.outputs import answer_options
 from capserve.serving.answers import classifications, multilabel_answers
 from capserve.serving.app import RequestError, decode
 from capserve.serving.settings import Settings
@@ -47,9 +48,11 @@ class Predictor:
         model: what ``capserve serve`` takes: a model folder, an exported ``.onnx`` (or INT8) file, a TensorRT
             engine, or ``NAME[:VERSION]`` in BentoML's model store.
         backend, device, precision, iterations: as the service's ``CAPSERVE_*`` settings.
-        top_k: single-label answers: how many labels (``/classify``'s ``top_k``).
+        top_k: single-label answers: how many labels (``/classify``'s ``top_k``); None: up to 5, never more than
+            the model has. Multi-label answers take no ``top_k``, and ignore it.
         threshold: multi-label answers: one threshold for every label (``/multilabel``'s ``threshold``); None: the
-            model's own.
+            model's own. Out of range, either raises ``ValueError`` in the server's words
+            (``capserve.runtime.outputs.answer_options``).
     Example:
         >>> predictor = Predictor("models/cifar10")
         >>> predictor.predict(["cat.png", "dog.jpg"])[0]["predictions"][0]["label"]
@@ -64,7 +67,7 @@ class Predictor:
         device: str = "cpu",
         precision: str = "auto",
         iterations: int | None = None,
-        top_k: int = 5,
+        top_k: int | None = None,
         threshold: float | None = None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
     ) -> None:
@@ -81,11 +84,8 @@ class Predictor:
         self.runtime, _, self.source = open_model(str(model), settings, explain=False)
         self.metadata = meta = self.runtime.metadata
         self.multi_label = meta.task == "multi_label"
-        if not 1 <= top_k <= len(meta.labels):
-            raise ValueError(f"top_k={top_k} but the model has {len(meta.labels)} labels: give 1..{len(meta.labels)}")
-        if threshold is not None and not 0 < threshold < 1:
-            raise ValueError(f"threshold must be in (0, 1), got {threshold}")
-        self.top_k, self.threshold, self.max_pixels = top_k, threshold, max_pixels
+        self.top_k, self.threshold = answer_options(len(meta.labels), top_k, threshold, self.multi_label)
+        self.max_pixels = max_pixels
 
     def pixels(self, item: Item) -> np.ndarray:
         """One image → uint8 (C, H, W) for the model, by the service's own decoding; ``RequestError`` (bytes and

@@ -24,7 +24,7 @@ from capserve.data.images import ImageError, ImageTooLargeError, ImageTooSmallEr
 from capserve.data.preprocess import normalize_images
 from capserve.errors import ConfigurationError, InputError
 from capserve.runtime import Explanation, Runtime
-from capserve.runtime.outputs import softmax
+from capserve.runtime.outputs import answer_options, softmax
 from capserve.serving.answers import classifications, multilabel_answers, top_labels
 from capserve.serving.batching import (
     ENDPOINTS,
@@ -268,17 +268,21 @@ class Capsules:
                 return None  # only too large to decode here: a worker thread checks it against the real limit
             raise self.error(e) from e
 
-    def check_top_k(self, top_k: int) -> None:
-        labels = len(self.runtime.metadata.labels)
-        if top_k > labels:
-            raise self.fail(400, f"top_k={top_k} but the model has {labels} labels: give 1..{labels}")
+    def options(
+        self, runtime: Runtime, top_k: int | None = None, threshold: float | None = None, multi_label: bool = False
+    ) -> tuple[int, float | None]:
+        """A request's ``top_k`` and ``threshold`` for ``runtime``'s model (``answer_options``); out of range: 400."""
+        try:
+            return answer_options(len(runtime.metadata.labels), top_k, threshold, multi_label)
+        except ValueError as e:
+            raise self.fail(400, str(e)) from e
 
-    async def classify(self, image: Upload, top_k: int) -> Classification:
+    async def classify(self, image: Upload, top_k: int | None = None) -> Classification:
         meta = self.runtime.metadata
-        self.check_top_k(top_k)
+        top_k, _ = self.options(self.runtime, top_k)
         return classifications(await self.upload_logits(image), meta, top_k)[0]
 
-    async def classify_batch(self, files: list[Upload], top_k: int) -> list[Classification]:
+    async def classify_batch(self, files: list[Upload], top_k: int | None = None) -> list[Classification]:
         meta, settings = self.runtime.metadata, self.settings
         if not files:
             raise self.fail(400, "send at least one image in the multipart field 'images'")
@@ -286,7 +290,7 @@ class Capsules:
             raise self.fail(
                 413, f"{len(files)} images in one request; the limit is {settings.max_images} (CAPSERVE_MAX_IMAGES)"
             )
-        self.check_top_k(top_k)
+        top_k, _ = self.options(self.runtime, top_k)
 
         def run() -> np.ndarray:
             pixels = [decode(path, self.runtime, settings.max_pixels, f"image {i}") for i, path in enumerate(files)]
@@ -297,6 +301,7 @@ class Capsules:
     async def multilabel(self, image: Upload, threshold: float | None) -> MultiLabel:
         runtime = self.multilabel_model()
         meta = runtime.metadata
+        _, threshold = self.options(runtime, threshold=threshold, multi_label=True)
         return multilabel_answers(await self.upload_logits(image, multilabel=True), meta, threshold)[0]
 
     async def explain(self, image: Upload, capsules: int) -> Explained:

@@ -66,13 +66,16 @@ class CapsuleService:
         return await self.capsules.logits(images, multilabel=True)
 
     @bentoml.api
-    async def classify(self, image: ImageFile, top_k: Annotated[int, Field(ge=1, le=1000)] = 5) -> Classification:
-        """The top_k labels of one image, with softmax probabilities."""
+    async def classify(
+        self, image: ImageFile, top_k: Annotated[int | None, Field(ge=1, le=1000)] = None
+    ) -> Classification:
+        """The top_k labels of one image (default: up to 5, never more than the model has), with softmax
+        probabilities."""
         return await self.capsules.classify(image, top_k)
 
     @bentoml.api
     async def classify_batch(
-        self, images: list[ImageFile], top_k: Annotated[int, Field(ge=1, le=1000)] = 5
+        self, images: list[ImageFile], top_k: Annotated[int | None, Field(ge=1, le=1000)] = None
     ) -> list[Classification]:
         """One result per image, in order (the images run as one batch)."""
         return await self.capsules.classify_batch(images, top_k)

@@ -43,7 +43,7 @@ from capserve.data.splits import Split
 from capserve.evaluate.evaluator import predict_logits, store_thresholds
 from capserve.evaluate.metrics import fit_thresholds
 from capserve.evaluate.plots import plot_curves
-from capserve.files import replacing_directory
+from capserve.files import replacing_directory, write_whole
 from capserve.model.checkpoint import CONFIG, NOT_LEARNED, save_model
 from capserve.model.factory import Model, build_model
 from capserve.model.factory import load as load_model
@@ -101,11 +101,84 @@ def prior_score(train_targets: Tensor, val_targets: Tensor) -> tuple[float, str]
     return (val_targets.cpu() == common).float().mean().item(), str(common.item())
 
 
-def has_learned(best: float, prior: float, n: int) -> bool:
-    """Whether a best validation score ``best`` over ``n`` images is clearly above the ``prior`` score: by more than
+def standard_error(prior: float, n: int) -> float:
+    """The standard error of a score over ``n`` images of a model whose true score is ``prior``."""
+    return math.sqrt(max(prior * (1 - prior), 0.0) / max(n, 1))
+
+
+def learning_bound(prior: float, n: int) -> float:
+    """The score over ``n`` validation images that a run must beat to have clearly learned: the ``prior`` score plus
     two standard errors of a score at the prior (a chance difference in a small validation split is not learning)
-    and by at least one image."""
-    return best > prior + 2 * math.sqrt(max(prior * (1 - prior), 0.0) / max(n, 1)) + 1 / max(n, 1)
+    and one image."""
+    return prior + 2 * standard_error(prior, n) + 1 / max(n, 1)
+
+
+def chance_level(prior: float, n: int) -> float:
+    """The score over ``n`` validation images up to which a run sits at the ``prior``: one standard error and one
+    image above it, what the best of a few epochs of a model that learned nothing reaches by chance."""
+    return prior + standard_error(prior, n) + 1 / max(n, 1)
+
+
+def has_learned(best: float, prior: float, n: int) -> bool:
+    """Whether a best validation score ``best`` over ``n`` images is clearly above the ``prior`` score
+    (``learning_bound``)."""
+    return best > learning_bound(prior, n)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a run's best validation score says about its learning (``verdict``).
+
+    ``learned``: True, clearly above the label prior (``learning_bound``); False, at the prior (at most
+    ``chance_level``): the run fails and ``best/`` is marked; None, between the two, or a split too small for even a
+    perfect score to clear the prior's noise: the split cannot tell, and the run does not fail. ``message``: what
+    the log says, with the figures and the bounds (empty when the run clearly learned)."""
+
+    learned: bool | None
+    message: str
+
+
+TRY_NEXT = (
+    "Try, in order: more --epochs; the default recipe (no --lr, --optimizer, --weight-decay or --augment flags); a "
+    "look at a few images of each label (are the labels right, do the images differ?); more images per label"
+)
+
+
+def verdict(best: float, prior: float, n: int, answer: str, metric: str = "top-1", epoch: int | None = None) -> Verdict:
+    """The verdict on a best validation ``metric`` of ``best`` (at ``epoch``) over ``n`` images, against ``prior``,
+    the score of always giving ``answer`` (the training split's most common label, or label set). Only a run at or
+    below the prior is said to be "no better than" it."""
+    bound, chance = learning_bound(prior, n), chance_level(prior, n)
+    scored = f"its best validation {metric}, {100 * best:.1f} %" + (f" (epoch {epoch})" if epoch is not None else "")
+    always = f"always answering {answer} ({100 * prior:.1f} % of the validation images)"
+    clears = f"more than {100 * bound:.1f} % (two standard errors and one image above the prior)"
+    if best > bound:
+        return Verdict(True, "")
+    if not has_learned(1.0, prior, n):
+        return Verdict(
+            None,
+            f"the validation split ({n} images) is too small to tell a model that learned from one that did not: "
+            f"{scored}, against {always}; even 100 % would not clear that prior's noise on {n} images (it takes "
+            f"{clears}). Give --val-size a larger count, or a val/ split",
+        )
+    if best > chance:
+        return Verdict(
+            None,
+            f"the validation split ({n} images) is too small to tell whether the run learned: {scored}, is above "
+            f"{always}, but not clear of chance: on {n} images that takes {clears}. best/ is not marked. To tell, "
+            "give --val-size a larger count or a val/ split; more --epochs may also raise the score",
+        )
+    if best > prior:
+        return Verdict(
+            False,
+            f"the run did not learn: {scored}, is within chance of {always}: on {n} images a model that learned "
+            f"nothing reaches up to {100 * chance:.1f} % (one standard error and one image above the prior), and a run "
+            f"that learned scores {clears}. best/ is marked as not learned. {TRY_NEXT}",
+        )
+    return Verdict(
+        False,
+        f"the run did not learn: {scored}, is no better than {always}. best/ is marked as not learned. {TRY_NEXT}",
+    )
 
 
 ADAM_LR_WARNING = 1e-2  # an Adam(W) lr above this is almost always an SGD lr given by habit
@@ -352,7 +425,17 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
         state = load_state(last, model, opt, scaler, device)
         if d.main:
             drop_unsaved_epochs(out / "metrics.jsonl", state["epoch"])
-        log.info("resumed from %s at epoch %d, step %d", last, state["epoch"] + 1, state["step"])
+        if state["epoch"] >= cfg.epochs:  # a finished run (learned or not) is summed up again, never trained further
+            log.warning(
+                "%s already trained its %d epochs: --resume has nothing left to train, and sums the run up again "
+                "from best/ (the verdict on learning, multi-label thresholds, the test figure, summary.json). To "
+                "train further, start a new run from its weights: --init %s --epochs N",
+                out,
+                cfg.epochs,
+                out / "best",
+            )
+        else:
+            log.info("resumed from %s at epoch %d, step %d", last, state["epoch"] + 1, state["step"])
     run = Run(
         cfg,
         d,
@@ -372,7 +455,7 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
         resumed_elapsed=state["elapsed"],
     )
     if d.main:
-        (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+        write_whole(out / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
         log.info(
             "%s on %s: %d train images/epoch, %d validation, %d steps/epoch, %d parameters",
             cfg.model,
@@ -408,7 +491,7 @@ def drop_unsaved_epochs(metrics: Path, saved_epochs: int) -> None:
             continue
         if not (record["epoch_complete"] and record["epoch"] > saved_epochs):
             kept.append(line)
-    metrics.write_text("".join(kept))
+    write_whole(metrics, "".join(kept))
 
 
 def augment(run: Run, x: Tensor, epoch: int, batch: int) -> Tensor:
@@ -596,31 +679,27 @@ def _train(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
     summary = finish(run)
     summary["wall_seconds"] = time.perf_counter() - wall0
     if d.main:
-        (run.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        write_whole(run.out / "summary.json", json.dumps(summary, indent=1) + "\n")
         if (run.out / "metrics.jsonl").is_file():
             plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
     return summary
 
 
 def check_learned(run: Run) -> dict[str, Any] | None:
-    """After the last epoch: whether the best epoch beat the label prior on validation (``has_learned``), and whether
-    the run memorised. A run that did not learn says so loudly, and ``best/`` is marked ``"learned": false`` in its
-    config (export and serve warn about such a model). None without a validation split or a best epoch; learned is
-    None when the split is too small for even a perfect score to clear the prior's noise."""
+    """After the last epoch: the ``verdict`` on the best epoch against the label prior on validation, and whether the
+    run memorised. A run that did not learn says so loudly, and ``best/`` is marked ``"learned": false`` in its
+    config (export and serve warn about such a model); a run above the prior that its split cannot tell from chance
+    gets a warning with the figures and the bound. None without a validation split or a best epoch."""
     data, state, c = run.data, run.state, run.model.config
     if data.val is None or not len(data.val) or state["best_epoch"] is None:
         return None
     train_targets = data.train.targets if data.train is not None else data.val.targets
     prior, answer = prior_score(train_targets, data.val.targets)
-    if not has_learned(1.0, prior, len(data.val)):
-        log.warning(
-            "the validation split (%d images) is too small to tell a model that learned from one that "
-            "did not: give --val-size a larger count, or a val/ split",
-            len(data.val),
-        )
-        return {"learned": None, "prior": prior}
-    learned = has_learned(state["best_acc"], prior, len(data.val))
     key = "exact match" if c.task == "multi_label" else "top-1"
+    names = [c.labels[int(i)] for i in answer.split(",") if i]
+    said = verdict(
+        state["best_acc"], prior, len(data.val), " + ".join(names) if names else "no label", key, state["best_epoch"]
+    )
     records = [json.loads(line) for line in (run.out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last = records[-1] if records else {}
     gap = last.get("train_acc", 0.0) - last.get("val_acc", 0.0)
@@ -633,29 +712,19 @@ def check_learned(run: Run) -> dict[str, Any] | None:
             100 * last["train_acc"],
             100 * last["val_acc"],
         )
-    if not learned:
-        names = [c.labels[int(i)] for i in answer.split(",") if i]
-        log.error(
-            "the run did not learn: its best validation %s, %.1f %% (epoch %d), is no better than always "
-            "answering %s (%.1f %% of the validation images). best/ is marked as not learned. Try, in order: "
-            "more --epochs; the default recipe (no --lr, --optimizer, --weight-decay or --augment flags); a "
-            "look at a few images of each label (are the labels right, do the images differ?); more images "
-            "per label",
-            key,
-            100 * state["best_acc"],
-            state["best_epoch"],
-            " + ".join(names) if names else "no label",
-            100 * prior,
-        )
+    if said.learned is False:
+        log.error("%s", said.message)
         mark_not_learned(run.out / "best", state["best_acc"], prior)
-    return {"learned": learned, "prior": prior}
+    elif said.learned is None:
+        log.warning("%s", said.message)
+    return {"learned": said.learned, "prior": prior}
 
 
 def mark_not_learned(best_dir: Path, best: float, prior: float) -> None:
     """Record in ``best_dir``'s config.json that its model did not beat the label prior (``NOT_LEARNED``)."""
     payload = json.loads((best_dir / CONFIG).read_text())
     payload.setdefault("training", {}).update({NOT_LEARNED: False, "best_val": best, "prior_val": prior})
-    (best_dir / CONFIG).write_text(json.dumps(payload, indent=1) + "\n")
+    write_whole(best_dir / CONFIG, json.dumps(payload, indent=2) + "\n")  # a full disk leaves the old one whole
 
 
 def calibrate_best(best_dir: Path, val: Split, batch_size: int, device: torch.device) -> list[float]:

@@ -252,6 +252,57 @@ def test_diagnosis_orders_the_causes_by_what_it_measured():
     assert "over the 10 int8 decides otherwise" in text and "0 0.90 of 10" in text  # one image of each class flipped
 
 
+@pytest.mark.parametrize("task", ["single_label", "multi_label"])
+def test_the_gate_report_gives_each_graph_its_own_accuracy(task):
+    """fp32 right on all 100 images, int8 wrong on 10: the report says fp32 100 %, int8 90 %, in that order."""
+    fp32, int8, held_out = gate_case(100, 10, task)
+    classes = np.arange(100) % 10
+    targets = classes if task == "single_label" else np.eye(10, dtype=np.float32)[classes]  # (N,) or (N, C)
+    report = score(fp32, int8, held_out, targets, "test", 0.5)
+    assert (report.fp32_accuracy, report.int8_accuracy) == (1.0, 0.9)
+    metric = "top-1" if task == "single_label" else "exact match"
+    assert str(report).endswith(f"; {metric} fp32 100.00%, int8 90.00%"), str(report)
+    assert str(report).startswith(f"int8 vs fp32 {report.check.measure} agreement 0.9000 on 100 held-out images")
+
+
+def test_the_diagnosis_lists_the_classes_int8_agrees_on_least_first():
+    fp32, _, _ = gate_case(100, 0)
+    clear, broken = fp32.logits, fp32.logits.copy()
+    flipped = [3, 13, 23, 33, 43, 7, 17, 0]  # class 3: 5 of its 10 images, class 7: 2, class 0: 1
+    broken[flipped] = -broken[flipped]
+    text = diagnose((clear, broken), (clear[:20], clear[:20] + 0.01), fp32.metadata, 0.97, "DATA", 3)
+    assert "agreement per class of fp32's answer, lowest: 3 0.50 of 10, 7 0.80 of 10, 0 0.90 of 10." in text, text
+
+
+CAUSES = {
+    "weak": "the model decides by small margins",
+    "unlike": "the calibration images (DATA)",
+    "coarse": "some layers lose too much to int8",
+}
+
+
+@pytest.mark.parametrize(
+    ("near", "covered", "order"),
+    [
+        (False, True, ("unlike", "coarse", "weak")),  # int8 holds on its calibration images only
+        (False, False, ("coarse", "unlike", "weak")),  # int8 breaks clear decisions everywhere
+        (True, True, ("weak", "unlike", "coarse")),  # near-ties, and int8 holds where it was calibrated
+        (True, False, ("weak", "coarse", "unlike")),  # near-ties everywhere
+    ],
+)
+def test_the_diagnosis_ranks_all_three_causes_by_what_it_measured(near, covered, order):
+    """Every cause is named, once, in the order the measurements point to: near-ties (a weakly trained model) first
+    when they alone can fail the gate; then the calibration images when int8 holds on them, else the layers."""
+    fp32, int8, _ = gate_case(100, 10)
+    held = fp32.logits * (0.001 if near else 1)  # near: every decision within int8's rounding of another
+    broken = held[:, ::-1] if near else int8.logits
+    moved = held[:20] + 0.01  # int8's rounding on its calibration images; not covered: 5 of them decided otherwise
+    calibration = (held[:20], moved if covered else np.where(np.arange(20)[:, None] < 5, held[:20, ::-1], moved))
+    text = diagnose((held, broken), calibration, fp32.metadata, 0.97, "DATA", 3)
+    causes = text.split("Likelier causes, in order:")[1].split("\n  (")[1:]
+    assert [next(k for k, says in CAUSES.items() if cause[3:].startswith(says)) for cause in causes] == list(order)
+
+
 # ------------------------------------------------------------------------------------------ verify's log
 
 

@@ -128,3 +128,45 @@ def test_save_model_replaces_each_file_whole(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         save_model(shifted(tiny_model("cifar10-simple")), directory)
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == before  # no partial file, nothing changed
+
+
+def weights(directory) -> dict:
+    return {k: v.clone() for k, v in capserve.load(directory).state_dict().items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_folder_a_kill_left_half_written_is_cleared_before_the_next_write(tmp_path):
+    """A process killed while writing leaves its hidden partial folder behind (no ``except`` ran): the next write
+    starts afresh instead of failing on it, and nothing of the half-written one survives."""
+    directory = tmp_path / "last"
+    with replacing_directory(directory) as d:
+        save_model(tiny_model("cifar10-simple"), d)
+    partial, _ = swap_names(directory)
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"\x00" * 64)  # the kill's leftovers
+    (partial / "stray.json").write_text("{")
+    second = shifted(tiny_model("cifar10-simple"))
+    with replacing_directory(directory) as d:
+        save_model(second, d)
+    assert same(weights(directory), second.state_dict())
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
+
+
+def test_a_write_after_a_swap_cut_between_its_renames_keeps_the_folder_whole(tmp_path):
+    """Killed after setting the old folder aside, before the new one came in: the next write brings the old one
+    back first, so that even if it fails too, the folder is there, whole, with the old weights."""
+    directory = tmp_path / "last"
+    first = tiny_model("cifar10-simple")
+    with replacing_directory(directory) as d:
+        save_model(first, d)
+    _, aside = swap_names(directory)
+    directory.rename(aside)  # the kill between the two renames
+    with pytest.raises(RuntimeError), replacing_directory(directory) as d:
+        save_model(shifted(tiny_model("cifar10-simple")), d)
+        raise RuntimeError("killed")  # and the next write fails half-way
+    assert same(weights(directory), first.state_dict())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from PIL import Image
 from support.inprocess import in_process_service
-from support.server import random_png
+from support.models import tiny_model
+from support.server import export, random_png
 
 from capserve.cli import main
 from capserve.predict import Predictor
@@ -200,3 +201,101 @@ def test_the_ray_data_recipe(folder, tmp_path, monkeypatch):
     assert len(table) == 30
     for row in table:
         assert not row["error"] and json.loads(row["answer"]) == local[row["path"]]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-labels", "3-labels"])
+def small_models(request, tmp_path_factory) -> tuple[tuple[str, ...], Path, Path]:
+    """(labels, a single-label model folder, a multi-label one), with 2 or 3 labels: fewer than the default 5."""
+    labels = ("circle", "square", "triangle")[: request.param]
+    tmp = tmp_path_factory.mktemp(f"labels{request.param}")
+    single = export(tiny_model("cifar10-simple", labels=labels), tmp / "single", explain=False)
+    multi = export(tiny_model("multimnist-matrix-small", labels=labels), tmp / "multi", explain=False)
+    return labels, single, multi
+
+
+def test_a_model_with_fewer_than_five_labels_answers_the_default_question(small_models, folder, tmp_path, capsys):
+    """No --top-k: up to 5 labels, so all of a 2- or 3-label model's; a multi-label model is never refused for a
+    top_k it does not use; an explicit --top-k above the labels is a clear error (exit 2), in the server's words."""
+    labels, single, multi = small_models
+    image = str(folder / "a" / "0.png")
+    out = tmp_path / "single.jsonl"
+    assert main(["predict", str(single), image, "--out", str(out)]) == 0
+    assert sorted(p["label"] for p in rows(out)[0]["predictions"]) == sorted(labels)
+    assert len(Predictor(str(single)).predict([image])[0]["predictions"]) == len(labels)
+    for top_k in ([], ["--top-k", "9"]):
+        out = tmp_path / f"multi{len(top_k)}.jsonl"
+        assert main(["predict", str(multi), image, "--out", str(out), *top_k]) == 0
+        assert set(rows(out)[0]["probabilities"]) == set(labels)
+    capsys.readouterr()
+    n = len(labels)
+    assert main(["predict", str(single), image, "--top-k", str(n + 1)]) == 2
+    err = capsys.readouterr().err
+    assert f"top_k={n + 1} but the model has {n} labels: give 1..{n}" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match=f"top_k={n + 1} but the model has {n} labels"):
+        Predictor(str(single), top_k=n + 1)
+    with pytest.raises(ValueError, match="threshold must be in"):
+        Predictor(str(multi), threshold=1.0)
+
+
+def test_max_failures_allows_exactly_its_fraction(folder, tmp_path, capsys):
+    """One bad file of two is 50 % failed: --max-failures 0.5 allows it (more than the fraction fails, not as much)."""
+    two = [str(folder / "a" / "0.png"), str(folder / "b" / "broken.png")]
+    assert main(["predict", CIFAR10, *two, "--out", str(tmp_path / "half.csv"), "--max-failures", "0.5"]) == 0
+    assert main(["predict", CIFAR10, *two, "--out", str(tmp_path / "less.csv"), "--max-failures", "0.49"]) == 1
+    assert "50.0% of the images failed (--max-failures 0.49)" in capsys.readouterr().err
+
+
+# capserve predict in a process that is killed (SIGKILL, nothing flushed on the way out) as its second batch starts
+KILLED_AT_THE_SECOND_BATCH = """
+import os, signal, sys
+from capserve.cli import main
+from capserve.predict.predictor import Predictor
+answer, calls = Predictor.answer, []
+def answer_then_die(self, pixels):
+    calls.append(len(pixels))
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return answer(self, pixels)
+Predictor.answer = answer_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_each_batch_is_on_disk_before_the_next_is_answered(folder, tmp_path, suffix):
+    """The rows of every answered batch are flushed before the next batch runs, so a kill keeps all of them."""
+    paths = list(expand([str(folder / "a")]))  # 5 images: batches of 2, 2 and 1
+    out = tmp_path / f"out{suffix}"
+    command = [sys.executable, "-c", KILLED_AT_THE_SECOND_BATCH, "predict", CIFAR10, *paths, "--out", str(out)]
+    result = subprocess.run(
+        [*command, "--batch-size", "2"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    kept = [r["path"] for r in csv.DictReader(out.open())] if suffix == ".csv" else [r["path"] for r in rows(out)]
+    assert kept == paths[:2]
+
+
+def test_a_manifest_names_images_relative_to_its_own_folder(folder, tmp_path, monkeypatch):
+    """A CSV's relative ``image`` paths are read from the CSV's folder, never from the working directory, even where
+    the working directory holds a different image under the same name."""
+    listed = tmp_path / "listed"
+    (listed / "pics").mkdir(parents=True)
+    (listed / "pics" / "x.png").write_bytes(random_png(20))
+    (listed / "list.csv").write_text("image,labels\npics/x.png,cat\n")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "pics").mkdir(parents=True)
+    (elsewhere / "pics" / "x.png").write_bytes(random_png(21, (40, 40)))
+    monkeypatch.chdir(elsewhere)
+    assert list(expand([str(listed / "list.csv")])) == [str(listed / "pics" / "x.png")]
+    out = tmp_path / "out.jsonl"
+    assert main(["predict", CIFAR10, str(listed / "list.csv"), "--out", str(out)]) == 0
+    (row,) = rows(out)
+    assert row.pop("path") == str(listed / "pics" / "x.png")
+    predictor = Predictor(CIFAR10)
+    assert (
+        row == predictor.predict([listed / "pics" / "x.png"])[0] != predictor.predict([elsewhere / "pics" / "x.png"])[0]
+    )

@@ -16,7 +16,13 @@ from support.server import encode, export
 
 from capserve.evaluate.metrics import THRESHOLD_GRID, fit_thresholds, multi_label_metrics
 from capserve.runtime.metadata import ModelMetadata
-from capserve.runtime.outputs import labels_passed, multi_label_decisions, sigmoid, thresholds_or_default
+from capserve.runtime.outputs import (
+    answer_options,
+    labels_passed,
+    multi_label_decisions,
+    sigmoid,
+    thresholds_or_default,
+)
 from capserve.runtime.precision import agreement, decisions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,3 +167,18 @@ def test_a_threshold_equal_to_a_returned_probability_answers_that_label(service)
         assert label in answered, (label, p, r.json())
         assert answered == {name for name, q in first["probabilities"].items() if q >= p}
         assert r.json()["threshold"] == p
+
+
+def test_one_check_of_top_k_and_threshold_for_the_service_and_predict():
+    """``answer_options``: no top_k is "up to 5", never more than the labels; an explicit one outside 1..labels is
+    refused, except by a multi-label answer, which takes none; a threshold outside (0, 1) is refused."""
+    assert [answer_options(n)[0] for n in (2, 3, 5, 10)] == [2, 3, 5, 5]
+    assert answer_options(10, top_k=7, threshold=0.3) == (7, 0.3)
+    assert answer_options(3, top_k=3) == (3, None)
+    for top_k in (0, 4):
+        with pytest.raises(ValueError, match=rf"^top_k={top_k} but the model has 3 labels: give 1\.\.3$"):
+            answer_options(3, top_k=top_k)
+    assert answer_options(3, top_k=9, multi_label=True) == (3, None)
+    for threshold in (0.0, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="threshold must be in"):
+            answer_options(3, threshold=threshold, multi_label=True)

@@ -4,33 +4,40 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from support.data import write_marks
-from support.models import tiny_overrides
+from support.models import tiny_model, tiny_overrides
 
 import capserve
+import capserve.train.cli
 from capserve.cli import main
+from capserve.data.splits import Split
 from capserve.evaluate import metrics as ev
 from capserve.export.onnx import load_checkpoint
-from capserve.model.checkpoint import not_learned_warning
+from capserve.model.checkpoint import not_learned_warning, save_model
 from capserve.serving.settings import Settings
 from capserve.serving.sources import open_model
-from capserve.train.loop import has_learned, prior_score
+from capserve.train.loop import check_learned, has_learned, mark_not_learned, prior_score, verdict
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def write_orientations(root: Path, per_label: int, rng: np.random.Generator, informative: bool = True) -> Path:
+def write_orientations(root: Path, per_label: int, rng: np.random.Generator) -> Path:
     """A kind of data no other test uses: a bar in random colours on random colours, horizontal, vertical or
-    diagonal, anywhere in the picture. ``informative=False`` draws the bar at random, whatever the label."""
+    diagonal, anywhere in the picture."""
     labels = ("horizontal", "vertical", "diagonal")
-    for li, label in enumerate(labels):
+    for kind, label in enumerate(labels):
         (root / label).mkdir(parents=True)
         for i in range(per_label):
-            kind = li if informative else int(rng.integers(3))
             bg, fg = rng.integers(0, 100, 3), rng.integers(156, 256, 3)
             pixels = np.broadcast_to(bg, (24, 24, 3)).copy()
             y, x = rng.integers(2, 10, 2)
@@ -60,30 +67,31 @@ def tiny_args(model: str = "cifar10-simple") -> list[str]:
     ]
 
 
+def write_one_picture(root: Path, train: int, val: int) -> Path:
+    """The same picture under every label, in ``train/`` and a balanced ``val/``: nothing to learn, and whatever a
+    model answers for it scores exactly the label prior (one third) on validation, on any machine."""
+    pixels = np.random.default_rng(3).integers(0, 256, (24, 24, 3), dtype=np.uint8)
+    for split, count in (("train", train), ("val", val)):
+        for label in ("horizontal", "vertical", "diagonal"):
+            (root / split / label).mkdir(parents=True)
+            for i in range(count):
+                Image.fromarray(pixels).save(root / split / label / f"{i}.png")
+    return root
+
+
 def test_a_run_that_learns_nothing_says_so_exits_non_zero_and_marks_best(tmp_path, capsys, caplog):
-    data = write_orientations(tmp_path / "noise", 24, np.random.default_rng(1), informative=False)
+    """...and the checkpoint it ends with is whole: ``--resume`` of the finished run says there is nothing left to
+    train, sums the run up again and gives the same verdict and exit status."""
+    data = write_one_picture(tmp_path / "one", train=12, val=8)
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO):
         code = main(
-            [
-                "train",
-                "--data",
-                str(data),
-                "--out",
-                str(out),
-                "--epochs",
-                "2",
-                "--val-size",
-                "24",
-                "--image-size",
-                "16",
-                *tiny_args(),
-            ]
+            ["train", "--data", str(data), "--out", str(out), "--epochs", "2", "--image-size", "16", *tiny_args()]
         )
     assert code == 1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["learned"] is False
-    assert "the run did not learn" in caplog.text and "always answering" in caplog.text
+    assert "the run did not learn" in caplog.text and "is no better than always answering" in caplog.text
     training = json.loads((out / "best" / "config.json").read_text())["training"]
     assert training["learned"] is False and training["prior_val"] == summary["prior_val_acc"]
     warning = not_learned_warning(out / "best")
@@ -96,6 +104,17 @@ def test_a_run_that_learns_nothing_says_so_exits_non_zero_and_marks_best(tmp_pat
         with caplog.at_level(logging.WARNING):
             opens()
         assert "did not learn" in caplog.text
+    assert json.loads((out / "last" / "trainer.json").read_text())["state"]["epoch"] == 2
+    assert capserve.load(out / "last") is not None and not [p for p in out.iterdir() if p.name.startswith(".")]
+    metrics = (out / "metrics.jsonl").read_text()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert main(["train", "--resume", str(out)]) == 1
+    assert f"{out} already trained its 2 epochs: --resume has nothing left to train" in caplog.text
+    assert "the run did not learn" in caplog.text and "resumed from" not in caplog.text
+    assert (out / "metrics.jsonl").read_text() == metrics  # nothing trained
+    assert json.loads((out / "summary.json").read_text())["learned"] is False
+    assert "did not learn" in not_learned_warning(out / "best")
 
 
 def test_the_prior_is_the_most_common_answer_and_learning_must_clear_its_noise():
@@ -229,3 +248,121 @@ def test_a_given_class_weights_is_kept_and_the_default_model_gates_its_children(
     assert json.loads((out / "train_config.json").read_text())["overrides"] == {"class_weights": "per_position"}
     assert "class capsule transforms" not in caplog.text
     assert capserve.get_config("cifar10-conv").activations
+
+
+# Marks a model folder as not learned on a disk that fills half-way through the new config.json: the file size limit
+# (RLIMIT_FSIZE, its signal ignored) makes every write past that many bytes fail with EFBIG, as a full disk would.
+FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+from capserve.train.loop import mark_not_learned
+best, limit = Path(sys.argv[1]), int(sys.argv[2])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    mark_not_learned(best, 0.3, 0.34)
+except OSError as e:
+    sys.exit(f"failed: {e}")
+"""
+
+
+def test_marking_a_run_not_learned_on_a_full_disk_leaves_best_whole(tmp_path):
+    """``best/config.json`` rewritten by the "did not learn" verdict: a write that fails half-way leaves the old
+    file, whole and loadable, and no partial file beside it; the next write succeeds."""
+    best = save_model(tiny_model("cifar10-simple"), tmp_path / "best")
+    before = (best / "config.json").read_bytes()
+    result = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(best), str(len(before) // 2)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1 and "failed: [Errno 27] File too large" in result.stderr, result.stderr[-2000:]
+    assert (best / "config.json").read_bytes() == before
+    assert capserve.load(best) is not None and not_learned_warning(best) is None
+    assert sorted(p.name for p in best.iterdir()) == ["config.json", "model.safetensors"]
+    mark_not_learned(best, 0.3, 0.34)
+    assert capserve.load(best) is not None and "did not learn" in not_learned_warning(best)
+
+
+def fake_run(tmp_path: Path, train_targets: list[int], val_targets: list[int], best_acc: float) -> SimpleNamespace:
+    """What ``check_learned`` reads of a finished run: its splits' targets, best epoch, model config and folder."""
+    labels = ("airplane", "automobile", "bird")[: max(train_targets + val_targets) + 1]
+    model = tiny_model("cifar10-simple", labels=labels)
+    out = tmp_path / "run"
+    save_model(model, out / "best")
+    (out / "metrics.jsonl").write_text(json.dumps({"epoch": 4, "train_acc": 0.6, "val_acc": best_acc}) + "\n")
+
+    def split(targets: list[int]) -> Split:
+        return Split(torch.zeros(len(targets), 3, 2, 2, dtype=torch.uint8), torch.tensor(targets))
+
+    return SimpleNamespace(
+        data=SimpleNamespace(train=split(train_targets), val=split(val_targets)),
+        state={"best_acc": best_acc, "best_epoch": 4},
+        model=model,
+        out=out,
+    )
+
+
+def test_the_prior_is_taken_from_the_training_split(tmp_path):
+    """Train 60/40, validation 40/60: always answering the training split's most common label scores 40 % on
+    validation, so a 62 % model over 100 images learned (the validation split's own majority, 60 %, is not the
+    prior: no model could know it)."""
+    run = fake_run(tmp_path, [0] * 60 + [1] * 40, [0] * 40 + [1] * 60, 0.62)
+    assert check_learned(run) == {"learned": True, "prior": pytest.approx(0.4)}
+    assert not_learned_warning(run.out / "best") is None
+
+
+def test_a_small_split_that_cannot_tell_says_so_and_does_not_fail_a_run_above_the_prior(tmp_path, caplog):
+    """300 pictures of 3 classes, 30 for validation: 53.3 % against a prior of 33.3 % is 20 points better, not
+    "no better than always answering airplane", but short of the 53.9 % that 30 images take to be clear of chance.
+    The run is not failed and best/ is not marked; a run at the prior still is."""
+    train_targets, val_targets = [0] * 91 + [1] * 90 + [2] * 89, [0, 1, 2] * 10
+    above = fake_run(tmp_path / "above", train_targets, val_targets, 16 / 30)
+    with caplog.at_level(logging.WARNING):
+        assert check_learned(above) == {"learned": None, "prior": pytest.approx(1 / 3)}
+    said = caplog.text
+    assert "too small to tell" in said and "no better than" not in said, said
+    for figure in ("30 images", "53.3 % (epoch 4)", "always answering airplane (33.3 %", "more than 53.9 %"):
+        assert figure in said, (figure, said)
+    assert not_learned_warning(above.out / "best") is None
+    at = fake_run(tmp_path / "at", train_targets, val_targets, 10 / 30)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert check_learned(at)["learned"] is False
+    assert "no better than always answering airplane (33.3 %" in caplog.text
+    assert "did not learn" in not_learned_warning(at.out / "best")
+
+
+@pytest.mark.parametrize(
+    ("best", "prior", "n", "learned", "says"),
+    [
+        (16 / 30, 1 / 3, 30, None, "is above always answering airplane (33.3 %"),
+        (14 / 30, 1 / 3, 30, None, "not clear of chance: on 30 images that takes more than 53.9 %"),
+        (17 / 30, 1 / 3, 30, True, ""),
+        (13 / 30, 1 / 3, 30, False, "is within chance of always answering airplane (33.3 %"),
+        (11 / 30, 1 / 3, 30, False, "a model that learned nothing reaches up to 45.3 %"),
+        (10 / 30, 1 / 3, 30, False, "is no better than always answering airplane (33.3 %"),
+        (9 / 30, 1 / 3, 30, False, "the run did not learn"),
+        (0.62, 0.4, 100, True, ""),
+        (1.0, 0.4, 5, None, "even 100 % would not clear"),
+        (0.2, 0.4, 5, None, "too small to tell a model that learned from one that did not"),
+    ],
+)
+def test_the_verdict_by_its_figures(best, prior, n, learned, says):
+    """Clear of two standard errors and one image above the prior: learned; within one standard error and one image
+    of it: did not learn (the best of a few epochs of a model that learned nothing gets that far by chance); between
+    the two, or on a split too small for even 100 % to clear the prior: the split cannot tell, and says so."""
+    said = verdict(best, prior, n, "airplane", "top-1", 4)
+    assert said.learned is learned and says in said.message, said
+    if best > prior:
+        assert "no better than" not in said.message
+
+
+@pytest.mark.parametrize(("learned", "code"), [(True, 0), (None, 0), (False, 1)])
+def test_only_a_run_at_the_prior_exits_non_zero(tmp_path, monkeypatch, capsys, learned, code):
+    """The exit status of ``capserve train`` follows the verdict: a split that cannot tell fails nothing."""
+    monkeypatch.setattr(capserve.train.cli, "train", lambda cfg, resume=None: {"learned": learned})
+    args = ["train", "--model", "cifar10-simple", "--data", str(tmp_path), "--out", str(tmp_path / "run")]
+    assert main(args) == code

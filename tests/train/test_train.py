@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support.data import cfg, write_easy_cifar10, write_mnist
-from support.models import tiny_overrides
+from support.models import tiny_input, tiny_model, tiny_overrides
 
 import capserve
 import capserve.data
@@ -24,8 +24,10 @@ import capserve.train.cli
 from capserve.cli import main
 from capserve.data.preprocess import normalize
 from capserve.evaluate import metrics as ev
+from capserve.files import swap_names
 from capserve.train.config import TrainConfig, lr_factor
 from capserve.train.loop import drop_unsaved_epochs, improves, train
+from capserve.train.state import load_state, save_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -358,3 +360,26 @@ def test_resume_forgets_epochs_logged_but_not_saved(tmp_path):
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"epoch": 4, "epo')  # a line cut by the kill
     drop_unsaved_epochs(metrics, saved_epochs=2)
     assert [json.loads(line)["epoch"] for line in metrics.read_text().splitlines()] == [1, 2]
+
+
+def test_load_state_brings_back_a_checkpoint_a_kill_set_aside(tmp_path):
+    """Through the Python API, as ``--resume`` does: a kill between ``last/``'s two renames leaves it set aside under
+    its hidden name; ``load_state`` brings it back, with its weights, optimizer moments and counters."""
+    model = tiny_model("cifar10-simple").train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(tiny_input(model, 2)).sum().backward()
+    opt.step()
+    state = {"epoch": 1, "batch": 0, "step": 1, "elapsed": 1.5, "best_acc": 0.5, "best_epoch": 1}
+    last = tmp_path / "last"
+    save_state(last, model, opt, None, state, cfg("cifar10-simple", tmp_path, tmp_path))
+    _, aside = swap_names(last)
+    last.rename(aside)  # killed after setting last/ aside, before the new one came in
+    resumed = tiny_model("cifar10-simple")
+    resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.1, momentum=0.9)
+    assert load_state(last, resumed, resumed_opt, None, torch.device("cpu")) == state
+    saved, loaded = model.state_dict(), resumed.state_dict()
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    moments, loaded_moments = opt.state_dict()["state"], resumed_opt.state_dict()["state"]  # {parameter: {...}}
+    assert moments.keys() == loaded_moments.keys()
+    assert all(torch.equal(moments[i]["momentum_buffer"], loaded_moments[i]["momentum_buffer"]) for i in moments)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
