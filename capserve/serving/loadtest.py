@@ -1,15 +1,28 @@
-"""The load generator of capserve's measurements (``capserve tune``, ``benchmarks/bench_http.py``): httpx's async
-client on keep-alive connections, at most ``concurrency`` requests in flight, each client sending its next request
-as soon as its last one is answered."""
+"""Load on a real server, for capserve's measurements (``capserve tune``, ``benchmarks/bench_http.py``).
+
+``load``: httpx's async client on keep-alive connections, at most ``concurrency`` requests in flight, each client
+sending its next request as soon as its last one is answered. ``running_server``: ``bentoml serve`` of capserve's
+service with a given environment, ready and then stopped whole (its workers too).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import signal
+import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import numpy as np
 
-__all__ = ["load"]
+from capserve.serving.cli import SERVICE
+
+__all__ = ["load", "random_png", "running_server"]
 
 
 async def load(
@@ -62,3 +75,64 @@ async def load(
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return time.perf_counter() - start, np.array(latencies), errors
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def random_png(size: int, seed: int) -> bytes:
+    """A seeded noise image, ``size`` pixels a side, as PNG bytes: the load's request bodies."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def running_server(env: Mapping[str, str], home: Path, timeout: float = 180) -> Iterator[str]:
+    """``bentoml serve`` of capserve's service (the command ``capserve serve`` runs) on 127.0.0.1 with the
+    environment ``env``, its log in ``home``; yields its URL once ``/readyz`` answers 200, stops it (SIGTERM, then
+    SIGKILL of what is left of it and its workers) afterwards."""
+    import httpx
+    import psutil
+
+    port = _free_port()
+    log_path = home / f"server-{port}.log"
+    command = [sys.executable, "-m", "bentoml", "serve", SERVICE, "--host", "127.0.0.1", "--port", str(port)]
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(command, env=dict(env), stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    family: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}: {_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server was not ready after {timeout:.0f} s: {_tail(log_path)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        yield url
+    finally:
+        with contextlib.suppress(psutil.Error):
+            family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+        for p in family:  # BentoML's workers are process groups of their own: a killed server leaves them
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        proc.wait()
+
+
+def _tail(path: Path) -> str:
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return " | ".join(lines[-3:])[-600:]

@@ -22,19 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import importlib.util
-import io
 import logging
 import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,8 +36,7 @@ import numpy as np
 
 from capserve.errors import UsageError
 from capserve.hardware import CpuInfo, cpu_info
-from capserve.serving.cli import SERVICE
-from capserve.serving.loadtest import load
+from capserve.serving.loadtest import load, random_png, running_server
 from capserve.serving.settings import Settings
 from capserve.serving.sources import ARTIFACTS, EXPLAIN_ARTIFACT, resolve_model
 from capserve.serving.tuned import TUNED_FILE, TUNED_VARIABLE, Tuned, write_tuned
@@ -330,90 +323,31 @@ def load_seconds(budget_s: float) -> float:
     return float(np.clip(budget_s / 30, 1.0, 8.0))
 
 
-# ------------------------------------------------------------------------------------------ the real measurement
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _png(size: int, seed: int) -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-@contextlib.contextmanager
-def running_server(folder: Path, candidate: Candidate, home: Path, timeout: float = 180) -> Iterator[str]:
-    """``bentoml serve`` of capserve's service (the command ``capserve serve`` runs) as ``candidate`` on
-    127.0.0.1, serving ``folder`` alone and reading no tuned file; yields its URL once ``/readyz`` answers 200,
-    stops it (SIGTERM, then SIGKILL of what is left of it and its workers) afterwards."""
-    import httpx
-    import psutil
-
-    port = _free_port()
+def server_environment(folder: Path, candidate: Candidate, home: Path) -> dict[str, str]:
+    """The environment of ``candidate``'s server: ``folder`` alone (or its graph ``candidate.artifact``), no tuned
+    file, no web page, tune's own BentoML home."""
     env = {
         **os.environ,
         **candidate.environment(),
-        "CAPSERVE_MODEL": str(folder),
+        "CAPSERVE_MODEL": str(folder / candidate.artifact if candidate.artifact else folder),
         "CAPSERVE_MULTILABEL_MODEL": "none",
         TUNED_VARIABLE: "none",
         "CAPSERVE_UI": "0",
         "BENTOML_HOME": str(home),
         "BENTOML_DO_NOT_TRACK": "True",
     }
-    if candidate.artifact:  # a graph other than model.onnx: the model given as that file
-        env["CAPSERVE_MODEL"] = str(folder / candidate.artifact)
-    log_path = home / f"server-{port}.log"
-    command = [sys.executable, "-m", "bentoml", "serve", SERVICE, "--host", "127.0.0.1", "--port", str(port)]
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    family: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}: {_tail(log_path)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not ready after {timeout:.0f} s: {_tail(log_path)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
-        yield url
-    finally:
-        with contextlib.suppress(psutil.Error):
-            family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(30)
-        for p in family:  # BentoML's workers are process groups of their own: a killed server leaves them
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        proc.wait()
-
-
-def _tail(path: Path) -> str:
-    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    return " | ".join(lines[-3:])[-600:]
+    return env
 
 
 def measure_server(folder: Path, image_size: int, home: Path) -> Measure:
     """The real ``Measure``: ``running_server`` under ``load``: a warm-up, ``seconds`` at ``CONCURRENCY`` clients
     (requests/s, p50), then a third of that at one client (p50)."""
-    bodies = [_png(image_size, seed) for seed in range(16)]
+    bodies = [random_png(image_size, seed) for seed in range(16)]
 
     def measure(candidate: Candidate, seconds: float) -> Measurement:
         started = time.monotonic()
         try:
-            with running_server(folder, candidate, home) as url:
+            with running_server(server_environment(folder, candidate, home), home) as url:
                 asyncio.run(load(url, bodies, 4 * CONCURRENCY, CONCURRENCY, seconds=seconds / 2))  # warm-up
                 took, latencies, errors = asyncio.run(load(url, bodies, 10**9, CONCURRENCY, seconds=seconds))
                 _, one, one_errors = asyncio.run(load(url, bodies, 10**9, 1, seconds=max(seconds / 3, 0.5)))
