@@ -105,7 +105,9 @@ def test_a_gate_smaller_than_the_held_out_split_draws_every_label(three_splits, 
 
 @pytest.fixture(scope="module")
 def int8_file(tmp_path_factory, three_splits) -> tuple[Path, object]:
-    return export_int8(CIFAR10, tmp_path_factory.mktemp("int8") / "model.onnx", three_splits, images=32)
+    """Written whatever this CPU's int8 kernels measure: these tests are about the agreement bound."""
+    out = tmp_path_factory.mktemp("int8") / "model.onnx"
+    return export_int8(CIFAR10, out, three_splits, images=32, force=True, keep_slow=True, max_accuracy_loss=1.0)
 
 
 def test_a_failed_int8_export_keeps_the_file_that_was_there(int8_file, three_splits, tmp_path, monkeypatch):
@@ -126,7 +128,7 @@ def test_a_failed_int8_export_keeps_the_file_that_was_there(int8_file, three_spl
 
     monkeypatch.setattr(onnx, "save_model", dies_half_way)
     with pytest.raises(OSError, match="No space left"):
-        export_int8(CIFAR10, path, three_splits, images=32)
+        export_int8(CIFAR10, path, three_splits, images=32, force=True, keep_slow=True)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["model.onnx"]
 
 
@@ -201,7 +203,15 @@ def test_verify_passes_at_exactly_the_measured_agreement(int8_file, capsys):
 def test_the_export_is_written_at_exactly_its_bound(int8_file, three_splits, tmp_path):
     _, report = int8_file
     at = tmp_path / "at.onnx"
-    _, again = export_int8(CIFAR10, at, three_splits, images=32, min_agreement=report.check.agreement)
+    _, again = export_int8(
+        CIFAR10,
+        at,
+        three_splits,
+        images=32,
+        min_agreement=report.check.agreement,
+        keep_slow=True,
+        max_accuracy_loss=1.0,
+    )
     assert again.check.agreement == report.check.agreement and again.passed and at.exists()
     assert not read_summary(at).forced
 
