@@ -7,7 +7,6 @@ import dataclasses
 import json
 
 import numpy as np
-
 import pytest
 
 from capserve.configs import ModelConfig, get_config

@@ -274,6 +274,10 @@ def test_the_served_int8_graph_answers_like_load_runtime(int8_file, tmp_path):
         wait_ready(proc, url, log)
         described = httpx.get(f"{url}/model", timeout=60).json()
         assert described["single_label"]["precision"] == "int8", described  # GET /model names no host path
+        assert (
+            "int8 verified on this machine: int8 decides as fp32 on 1.0000 of the"
+            in (described["single_label"]["precision_reason"])
+        )
         images, _ = real_images.cifar10()
         runtime = load_runtime(path)
         for image in images[100:104]:
