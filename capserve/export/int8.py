@@ -17,7 +17,6 @@ import json
 import logging
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from capserve.errors import ExportError, Int8GateError, Int8SpeedError
 from capserve.files import partial_file
 from capserve.hardware import CpuInfo, cpu_info
 from capserve.records import checked_fields
-from capserve.runtime.base import Runtime
+from capserve.runtime.base import Runtime, in_worker_thread
 from capserve.runtime.metadata import INT8_CHECK_KEY, METADATA_KEY, PRECISION_KEY, Int8Check, ModelMetadata
 from capserve.runtime.precision import agreement, decisions
 
@@ -313,26 +312,18 @@ def measure_speed(
     clock = clock or time.perf_counter
     x = np.ascontiguousarray(np.resize(images, (batch, *images.shape[1:])))  # (batch, C, H, W)
     times: dict[str, list[float]] = {name: [] for name in runtimes}
-    failure: list[BaseException] = []
 
     def work() -> None:
-        try:
-            for runtime in runtimes.values():
+        for runtime in runtimes.values():
+            runtime.predict(x)
+        order = list(runtimes.items())
+        for r in range(rounds):
+            for name, runtime in order if r % 2 == 0 else order[::-1]:
+                start = clock()
                 runtime.predict(x)
-            order = list(runtimes.items())
-            for r in range(rounds):
-                for name, runtime in order if r % 2 == 0 else order[::-1]:
-                    start = clock()
-                    runtime.predict(x)
-                    times[name].append(clock() - start)
-        except BaseException as e:  # re-raised in the caller's thread
-            failure.append(e)
+                times[name].append(clock() - start)
 
-    thread = threading.Thread(target=work, name="capserve-int8-speed")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
+    in_worker_thread(work, "capserve-int8-speed")
     return {name: statistics.median(t) for name, t in times.items()}
 
 

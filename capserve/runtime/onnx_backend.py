@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from capserve.configs import MODELS, CapsuleLayerConfig, ModelConfig
 from capserve.errors import RuntimeLoadError
 from capserve.hardware import cpu_info
 from capserve.routing.registry import ROUTINGS, update_is_read
-from capserve.runtime.base import Explanation, Runtime
+from capserve.runtime.base import Explanation, Runtime, in_worker_thread
 from capserve.runtime.metadata import (
     CONFIG_KEY,
     INT8_CHECK_KEY,
@@ -320,7 +319,7 @@ def check_int8(runtime: OnnxRuntime) -> str:
     from capserve.data.preprocess import normalize_numpy  # torch-backed module: imported only for int8 graphs
 
     images = normalize_numpy(record.images(), meta.mean, meta.std)  # (N, C, H, W)
-    logits = _in_worker_thread(lambda: runtime.predict_in_batches(images, 64))  # (N, classes)
+    logits = in_worker_thread(lambda: runtime.predict_in_batches(images, 64), "capserve-int8-check")  # (N, C)
     fp32, exported = np.asarray(record.fp32_logits), np.asarray(record.int8_logits)  # (N, classes)
     agreed = agreement(fp32, logits, meta)
     drift = float(np.abs(logits.astype(np.float64) - exported).max())
@@ -336,21 +335,3 @@ def check_int8(runtime: OnnxRuntime) -> str:
         )
     log.info("%s: int8 verified on this machine: %s", runtime.path, measured)
     return f"int8 verified on this machine: {measured}"
-
-
-def _in_worker_thread(work: Any) -> Any:
-    """``work()`` run in a worker thread: inference in a process's main thread collapses on an oversubscribed CPU."""
-    result: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            result["value"] = work()
-        except BaseException as e:  # re-raised in the caller's thread
-            result["error"] = e
-
-    thread = threading.Thread(target=run, name="capserve-int8-check")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
