@@ -23,6 +23,7 @@ from capserve.configs import ModelConfig
 from capserve.export.calibration import read_calibration
 from capserve.export.gate import score
 from capserve.export.int8 import Quantizer, runtime_for
+from capserve.hardware import cpu_info
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,6 +48,7 @@ def speed(runtime, x, reps: int = 5) -> float:
 
 
 def main() -> None:
+    print(f"CPU: {cpu_info().describe()}", flush=True)
     name, data, variants = sys.argv[1], sys.argv[2], sys.argv[3:]
     model = ROOT / "models" / name
     config = ModelConfig.from_dict(json.loads((model / "config.json").read_text())["config"])

@@ -32,6 +32,10 @@ class Int8GateError(ExportError):
     """An INT8 graph that disagrees with FP32 more than the bound allows; nothing was written."""
 
 
+class Int8SpeedError(Int8GateError):
+    """An INT8 graph not clearly faster than FP32 on the machine that exports it; nothing was written."""
+
+
 class DataError(ValueError):
     """Data a user brought that cannot be used as it is; the message says what to fix."""
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from capserve.configs import ModelConfig, get_config
 from capserve.errors import ExportError, RuntimeLoadError
 from capserve.export.int8 import Int8Summary
 from capserve.records import checked_fields
-from capserve.runtime.metadata import ModelMetadata
+from capserve.runtime.metadata import Int8Check, ModelMetadata
 from capserve.runtime.tensorrt_backend import EngineSidecar
 
 
@@ -91,7 +92,9 @@ def test_engine_sidecar_refuses_unknown_and_missing_keys(tmp_path):
 
 def test_int8_summary_refuses_unknown_and_missing_keys():
     fields = {f.name: 0 for f in dataclasses.fields(Int8Summary)}
-    summary = Int8Summary(**{**fields, "quantized_ops": ("Conv",), "float_nodes": (), "kept_float": ()})
+    summary = Int8Summary(
+        **{**fields, "quantized_ops": ("Conv",), "float_nodes": (), "kept_float": (), "variants": ({"variant": "a"},)}
+    )
     data = json.loads(summary.to_json())
     assert Int8Summary.from_json(json.dumps(data)) == summary
     with pytest.raises(ExportError, match=r"unknown int8 summary keys \['colour'\]"):
@@ -100,3 +103,33 @@ def test_int8_summary_refuses_unknown_and_missing_keys():
         Int8Summary.from_json(json.dumps({k: v for k, v in data.items() if k != "target"}))
     with pytest.raises(ExportError, match="not a capserve int8 summary"):
         Int8Summary.from_json("{not json")
+
+
+def test_an_int8_summary_of_an_older_capserve_reads_without_the_speed_fields():
+    """Files written before the export measured speed on its machine lack those keys: they read back as unknown."""
+    older = {f.name: 0 for f in dataclasses.fields(Int8Summary) if f.default is dataclasses.MISSING}
+    older.update(quantized_ops=["Conv"], float_nodes=[], kept_float=[])
+    summary = Int8Summary.from_json(json.dumps(older))
+    assert (summary.variant, summary.cpu, summary.speedup, summary.variants, summary.kept_slow) == (
+        "u8s8",
+        None,
+        None,
+        (),
+        False,
+    )
+
+
+def test_int8_check_refuses_unknown_and_missing_keys_and_mismatched_logits():
+    pixels = np.arange(2 * 3 * 4 * 4, dtype=np.uint8).reshape(2, 3, 4, 4)
+    check = Int8Check.build(pixels, np.eye(2, 3), np.eye(2, 3), 0.97, "a CPU")
+    data = json.loads(check.to_json())
+    again = Int8Check.from_json(json.dumps(data))
+    assert again == check and np.array_equal(again.images(), pixels)
+    with pytest.raises(RuntimeLoadError, match=r"unknown int8 check keys \['colour'\]"):
+        Int8Check.from_json(json.dumps({**data, "colour": 1}))
+    with pytest.raises(RuntimeLoadError, match=r"int8 check lacks \['bound'\]"):
+        Int8Check.from_json(json.dumps({k: v for k, v in data.items() if k != "bound"}))
+    with pytest.raises(RuntimeLoadError, match="holds 2 images but logits for another number"):
+        Int8Check.from_json(json.dumps({**data, "fp32_logits": data["fp32_logits"][:1]}))
+    with pytest.raises(RuntimeLoadError, match="not a capserve int8 check"):
+        Int8Check.from_json(json.dumps({**data, "shape": [3, 3, 4, 4]}))  # more images than the pixels hold

@@ -119,13 +119,15 @@ def test_one_backbone_table_names_every_configs_backbone():
 
 
 def test_one_copy_of_each_shared_helper():
-    """softmax/sigmoid, sha256 and image suffixes each live in one module (their callers import them)."""
+    """softmax/sigmoid, sha256, image suffixes and the worker-thread runner each live in one module (their callers
+    import them)."""
     sources = {name: path.read_text() for name, path in MODULES.items()}
     helpers = [
         ("def softmax(", "capserve.runtime.outputs"),
         ("def sigmoid(", "capserve.runtime.outputs"),
         ("def file_sha256(", "capserve.hashing"),
         ("IMAGE_SUFFIXES =", "capserve.data.images"),
+        ("def in_worker_thread(", "capserve.runtime.base"),
     ]
     for definition, home in helpers:
         homes = [name for name, text in sources.items() if definition in text]

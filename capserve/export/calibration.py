@@ -31,6 +31,7 @@ class CalibrationSet:
     source: str
     split: str  # where the held-out images came from
     stratified: bool
+    pixels: np.ndarray  # (N, C, H, W) uint8: ``images`` before normalisation (the int8 graph records a few)
 
 
 def decode(samples: list[Sample], config: ModelConfig, source: Path, desc: str) -> tuple[np.ndarray, list[int]]:
@@ -69,7 +70,13 @@ def own_data(path: Path, config: ModelConfig, count: int, gate_images: int) -> C
         if all(s.labels for s in held) or config.task == "multi_label":
             targets = targets_for([held[i] for i in kept], config.labels, config.task == "multi_label").numpy()
     return CalibrationSet(
-        normalize_images(calibration, config), normalize_images(held_out, config), targets, str(path), split, stratified
+        normalize_images(calibration, config),
+        normalize_images(held_out, config),
+        targets,
+        str(path),
+        split,
+        stratified,
+        calibration,
     )
 
 
@@ -103,6 +110,7 @@ def builtin(path: Path, config: ModelConfig, count: int, gate_images: int) -> Ca
         str(path),
         f"{dataset} validation split",
         stratified,
+        calibration,
     )
 
 

@@ -11,8 +11,8 @@ from capserve.runtime import BACKENDS, infer_backend, load_runtime
 from capserve.runtime.precision import PRECISIONS, SAMPLE_SIZE, resolve_precision, sample_images
 
 from .calibration import DEFAULT_IMAGES, GATE_IMAGES
-from .gate import INT8_MIN_AGREEMENT
-from .int8 import MAX_FLOAT_NODES, METHODS, TARGETS, export_int8
+from .gate import INT8_MAX_ACCURACY_LOSS, INT8_MIN_AGREEMENT
+from .int8 import MAX_FLOAT_NODES, METHODS, MIN_SPEEDUP, SPEED_BATCH, TARGETS, Int8Summary, export_int8, read_summary
 from .onnx import DEFAULT_OPSET, MIN_OPSET
 from .verify import DEFAULTS, compare, load_images, verify_int8
 
@@ -136,8 +136,27 @@ def add_int8_arguments(p: argparse.ArgumentParser) -> None:
         help="when INT8 agrees with FP32 below --min-agreement on the calibration images, leave up to N "
         "more of the most sensitive nodes in float (0: never; default %(default)s)",
     )
+    p.add_argument(
+        "--max-accuracy-loss",
+        type=float,
+        default=100 * INT8_MAX_ACCURACY_LOSS,
+        metavar="POINTS",
+        help="most top-1 (exact match) accuracy int8 may lose on labelled held-out images, in points, never below "
+        "one image's share (default %(default)s)",
+    )
     p.add_argument("--gate-images", type=int, default=GATE_IMAGES, help="held-out images scored (default %(default)s)")
-    p.add_argument("--force", action="store_true", help="write the INT8 file even when it fails the agreement gate")
+    p.add_argument(
+        "--force", action="store_true", help="write the INT8 file even when it fails the agreement or accuracy gate"
+    )
+    p.add_argument(
+        "--min-speedup",
+        type=float,
+        default=MIN_SPEEDUP,
+        help=f"least batch-{SPEED_BATCH} speed-up over fp32 on this machine (ONNX Runtime; default %(default)s)",
+    )
+    p.add_argument(
+        "--keep-slow", action="store_true", help="write the INT8 file even when it is slower than --min-speedup"
+    )
 
 
 def export_int8_from_args(args: argparse.Namespace) -> Path:
@@ -156,7 +175,10 @@ def export_int8_from_args(args: argparse.Namespace) -> Path:
         images=args.calibration_images,
         gate_images=args.gate_images,
         min_agreement=args.min_agreement,
+        max_accuracy_loss=args.max_accuracy_loss / 100,
         force=args.force,
+        min_speedup=args.min_speedup,
+        keep_slow=args.keep_slow,
         target=args.int8_target,
         method=args.calibration_method,
         opset=args.opset,
@@ -164,9 +186,28 @@ def export_int8_from_args(args: argparse.Namespace) -> Path:
         max_float_nodes=args.max_float_nodes,
     )
     print(report)
-    if not report.passed:
+    summary = read_summary(path)
+    print(speed_lines(summary))
+    if not report.check.passed:
         print(f"warning: written with --force below the bound {args.min_agreement:g}")
+    if not report.accuracy_passed:
+        print(f"warning: written with --force, losing more than {100 * report.loss_bound:.2f} points")
+    if summary.kept_slow:
+        print(f"warning: written with --keep-slow below {summary.min_speedup:g}x fp32")
     return path
+
+
+def speed_lines(summary: Int8Summary) -> str:
+    """The variants an export tried on this machine and the one it kept, as printed after the gate's report."""
+    cpu = (summary.cpu or {}).get("model", "this CPU")
+    rows = [f"variants tried on {cpu} (batch {summary.batch or SPEED_BATCH}):"]
+    for v in summary.variants:
+        lost = "" if v["lost"] is None else f", {100 * v['lost']:.2f} points lost"
+        speed = "not timed" if v["speedup"] is None else f"{v['speedup']:.2f}x fp32"
+        kept = " (kept)" if v["variant"] == summary.variant else ""
+        gate = "passed" if v["passed"] else "below the gate"
+        rows.append(f"  {v['variant']:<10} agreement {v['agreement']:.4f}{lost}, {gate}, {speed}{kept}")
+    return "\n".join(rows)
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from capserve.errors import InputError, RuntimeLoadError  # noqa: F401  (RuntimeLoadError: re-exported)
 from capserve.runtime.metadata import ModelMetadata
+
+T = TypeVar("T")
+
+
+def in_worker_thread(work: Callable[[], T], name: str = "capserve-inference") -> T:
+    """``work()`` run in a worker thread, its exception re-raised here: inference in a process's main thread
+    collapses on an oversubscribed CPU (torch's and ONNX Runtime's thread pools), in a worker thread it does not."""
+    result: dict[str, T] = {}
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result["value"] = work()
+        except BaseException as e:  # re-raised in the caller's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result["value"]
 
 
 @dataclass(frozen=True)

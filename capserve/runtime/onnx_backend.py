@@ -13,9 +13,20 @@ import numpy as np
 
 from capserve.configs import MODELS, CapsuleLayerConfig, ModelConfig
 from capserve.errors import RuntimeLoadError
+from capserve.hardware import cpu_info
 from capserve.routing.registry import ROUTINGS, update_is_read
-from capserve.runtime.base import Explanation, Runtime
-from capserve.runtime.metadata import CONFIG_KEY, LOGITS, METADATA_KEY, PART_WHOLE, PRECISION_KEY, ModelMetadata
+from capserve.runtime.base import Explanation, Runtime, in_worker_thread
+from capserve.runtime.metadata import (
+    CONFIG_KEY,
+    INT8_CHECK_KEY,
+    LOGITS,
+    METADATA_KEY,
+    PART_WHOLE,
+    PRECISION_KEY,
+    Int8Check,
+    ModelMetadata,
+)
+from capserve.runtime.precision import agreement
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +134,9 @@ class OnnxRuntime(Runtime):
         spinning: let the intra-op threads spin between an operator's parallel sections instead of sleeping, as
             ONNX Runtime does by default: the lowest latency for one run at a time, but a spinning thread takes a
             core from anything else running, so off unless the caller runs this session alone.
+        int8_check: an INT8 graph re-checks its decisions on the inputs its export recorded (``check_int8``) and
+            is refused (``RuntimeLoadError``) where they fall below its gate's bound, or where it records none.
+            False only for graphs being made or measured (the exporter, ``capserve verify --int8``).
     """
 
     backend = "onnxruntime"
@@ -137,6 +151,7 @@ class OnnxRuntime(Runtime):
         memory_arena: bool = True,
         memory_budget_mb: float | None = MEMORY_BUDGET_MB,
         spinning: bool = False,
+        int8_check: bool = True,
     ):
         try:
             import onnxruntime as ort
@@ -207,6 +222,8 @@ class OnnxRuntime(Runtime):
             )
         self.explainable = PART_WHOLE in outputs
         self.chunk_size = self._chunk_size(memory_budget_mb)
+        if self.precision == "int8" and int8_check:
+            self.precision_reason = check_int8(self)
 
     def _config(self) -> ModelConfig | None:
         """The exported architecture: from the file, or for files exported before it was recorded there, the named
@@ -276,3 +293,45 @@ class OnnxRuntime(Runtime):
             )
         logits, parse = self._run([LOGITS, PART_WHOLE], self.check_batch(batch))
         return Explanation(logits, parse)
+
+
+def check_int8(runtime: OnnxRuntime) -> str:
+    """The start-up check of an INT8 graph on the machine that opens it: its decisions on the calibration images its
+    export recorded (``Int8Check``), against their fp32 decisions. An int8 graph whose decisions depend on the CPU's
+    int8 kernels (16-bit saturation without VNNI, other rounding) is served only where it agrees at least as well
+    as its export gate's bound; else ``RuntimeLoadError`` says what was measured and what to do instead.
+
+    Returns the line that ``GET /model``'s precision reason and the log show."""
+    props = runtime.session.get_modelmeta().custom_metadata_map
+    redo = (
+        f"re-export it on this machine (`capserve export onnx MODEL_DIR -o {runtime.path.name} --int8 "
+        "--calibration DATA`) or serve the fp32 graph"
+    )
+    if INT8_CHECK_KEY not in props:
+        raise RuntimeLoadError(
+            f"{runtime.path} is an int8 graph without the inputs it re-checks on the machine that serves it "
+            f"(made by an older capserve, or not by `capserve export onnx --int8`): {redo}"
+        )
+    record = Int8Check.from_json(props[INT8_CHECK_KEY])
+    meta = runtime.metadata
+    if record.shape[1:] != meta.input_shape or len(record.fp32_logits[0]) != len(meta.labels):
+        raise RuntimeLoadError(f"{runtime.path}: {INT8_CHECK_KEY!r} does not fit the model's input or labels: {redo}")
+    from capserve.data.preprocess import normalize_numpy  # torch-backed module: imported only for int8 graphs
+
+    images = normalize_numpy(record.images(), meta.mean, meta.std)  # (N, C, H, W)
+    logits = in_worker_thread(lambda: runtime.predict_in_batches(images, 64), "capserve-int8-check")  # (N, C)
+    fp32, exported = np.asarray(record.fp32_logits), np.asarray(record.int8_logits)  # (N, classes)
+    agreed = agreement(fp32, logits, meta)
+    drift = float(np.abs(logits.astype(np.float64) - exported).max())
+    measured = (
+        f"int8 decides as fp32 on {agreed:.4f} of the {len(images)} images its export recorded (bound "
+        f"{record.bound:g}, its export gate's; max |Δlogit| {drift:.3g} from the int8 logits of the exporting "
+        f"machine, {record.cpu})"
+    )
+    if agreed < record.bound:
+        raise RuntimeLoadError(
+            f"{runtime.path} is not served on this CPU ({cpu_info().describe()}): {measured}; its int8 kernels "
+            f"compute otherwise: {redo}"
+        )
+    log.info("%s: int8 verified on this machine: %s", runtime.path, measured)
+    return f"int8 verified on this machine: {measured}"

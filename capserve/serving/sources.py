@@ -103,7 +103,7 @@ def open_model(spec: str, settings: Settings, explain: bool = True) -> tuple[Run
                 f"serves: run `{fix}` first, or set CAPSERVE_BACKEND=torch"
             )
         runtime = load_runtime(artifact, settings.backend, settings.device, **lone_request_options(settings))
-        _, runtime.precision_reason = resolve_precision(settings.precision, settings.backend, settings.device)
+        runtime.precision_reason = precision_reason(runtime, settings)
         explainer = None
         if explain and (path / EXPLAIN_ARTIFACT).is_file():
             explainer = load_runtime(
@@ -127,6 +127,12 @@ def open_model(spec: str, settings: Settings, explain: bool = True) -> tuple[Run
         raise ConfigurationError(f"cannot load the model in {path} with the {settings.backend} backend: {e}") from e
 
 
+def precision_reason(runtime: Runtime, settings: Settings) -> str:
+    """Why ``runtime`` serves its precision, with what opening it checked (an int8 graph's start-up check)."""
+    _, reason = resolve_precision(settings.precision, settings.backend, settings.device)
+    return f"{reason}; {runtime.precision_reason}" if runtime.precision_reason else reason
+
+
 def _open_file(path: Path, settings: Settings) -> Runtime:
     """An exported artifact given as a file (``model.onnx``, ``model.plan``): the backend must be the one it is for."""
     wanted = ARTIFACTS.get(settings.backend)
@@ -138,7 +144,7 @@ def _open_file(path: Path, settings: Settings) -> Runtime:
         )
     try:
         runtime = load_runtime(path, settings.backend, settings.device, **lone_request_options(settings))
-        _, runtime.precision_reason = resolve_precision(settings.precision, settings.backend, settings.device)
+        runtime.precision_reason = precision_reason(runtime, settings)
     except (RuntimeLoadError, ValueError) as e:
         if isinstance(e, ConfigurationError):
             raise

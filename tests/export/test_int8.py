@@ -2,7 +2,9 @@
 search, metadata, verify, serving and the TensorRT build.
 
 The shipped cifar10 model is quantized from its own ``models/cifar10/model.onnx`` (no tracing), calibrated on a few
-of the committed real images: one module-scoped export serves most tests."""
+of the committed real images: one module-scoped export serves most tests. What int8 measures depends on the CPU's
+int8 kernels (agreement, accuracy, speed): these tests assert what holds on any CPU, the figures compared with what
+this machine re-measures; the decisions taken on measurements are tested on stand-in sessions (``support.int8``)."""
 
 from __future__ import annotations
 
@@ -21,16 +23,27 @@ pytest.importorskip("onnx")
 import onnx
 from support import real_images
 from support.gpu import fake_tensorrt
+from support.int8 import KINDS, flip_every, graph_kind, stand_in_sessions
 from support.server import start_server, stop, wait_ready
 
 from capserve.cli import main
 from capserve.configs import ModelConfig
 from capserve.data.preprocess import normalize_images
-from capserve.errors import ExportError, Int8GateError
+from capserve.errors import ExportError, Int8GateError, RuntimeLoadError
 from capserve.export.calibration import read_calibration
+from capserve.export.gate import INT8_MAX_ACCURACY_LOSS
 from capserve.export.gate import INT8_MIN_AGREEMENT as MIN_AGREEMENT
-from capserve.export.int8 import INT8_KEY, export_int8, read_summary, search_float_nodes
+from capserve.export.int8 import (
+    INT8_KEY,
+    MIN_SPEEDUP,
+    export_int8,
+    read_summary,
+    search_float_nodes,
+    variants_for,
+)
+from capserve.hardware import cpu_info
 from capserve.runtime import load_runtime
+from capserve.runtime.metadata import INT8_CHECK_KEY, Int8Check
 
 ROOT = Path(__file__).resolve().parents[2]
 CIFAR10 = ROOT / "models" / "cifar10"
@@ -60,8 +73,9 @@ def data(tmp_path_factory, config) -> Path:
 
 @pytest.fixture(scope="module")
 def int8_file(tmp_path_factory, data) -> tuple[Path, object]:
+    """Written whatever this CPU's int8 kernels measure (``force``, ``keep_slow``): the gates are tested elsewhere."""
     out = tmp_path_factory.mktemp("int8") / "model.onnx"  # a folder of its own, served as CAPSERVE_MODEL
-    return export_int8(CIFAR10, out, data, images=32)
+    return export_int8(CIFAR10, out, data, images=32, force=True, keep_slow=True)
 
 
 def test_calibration_reads_the_users_images_through_the_service_preprocessing(data, config):
@@ -91,20 +105,26 @@ def test_calibration_reads_the_users_images_through_the_service_preprocessing(da
 
 def test_int8_export_agrees_with_fp32_and_keeps_the_metadata(int8_file):
     path, report = int8_file
-    assert report.passed and report.check.agreement >= MIN_AGREEMENT and report.check.images == 100
-    assert report.metric == "top-1" and report.int8_accuracy >= report.fp32_accuracy - 0.02
+    assert report.check.images == 100 and report.metric == "top-1" and report.lost is not None
     fp32, int8 = load_runtime(CIFAR10 / "model.onnx"), load_runtime(path)
     assert int8.precision == "int8" and int8.metadata == fp32.metadata
-    images, _ = real_images.cifar10()
+    images, classes = real_images.cifar10()
     x = normalize_images(images[100:], fp32.metadata)
-    assert (fp32.predict(x).argmax(1) == int8.predict(x).argmax(1)).mean() >= MIN_AGREEMENT
+    a, b = fp32.predict(x), int8.predict(x)  # (100, C): the gate's held-out images, re-measured here
+    assert (a.argmax(1) == b.argmax(1)).mean() == report.check.agreement
+    assert (a.argmax(1) == classes[100:]).mean() == report.fp32_accuracy
+    assert (b.argmax(1) == classes[100:]).mean() == report.int8_accuracy
     proto = onnx.load(str(path))
     ops = {n.op_type for n in proto.graph.node}
     assert {"QuantizeLinear", "DequantizeLinear", "LayerNormalization", "Softmax"} <= ops
     summary = read_summary(path)
-    assert (summary.calibration_images, summary.gate_split, summary.forced) == (32, "test", False)
-    assert summary.float_nodes and all("Conv" not in n for n in summary.float_nodes)  # activation products only
-    assert summary.kept_float == () and summary.calibration_agreement >= MIN_AGREEMENT  # no search was needed
+    assert (summary.calibration_images, summary.gate_split, summary.forced) == (32, "test", not report.passed)
+    assert (summary.fp32_accuracy, summary.int8_accuracy) == (report.fp32_accuracy, report.int8_accuracy)
+    assert summary.max_accuracy_loss == INT8_MAX_ACCURACY_LOSS and summary.cpu == cpu_info().to_dict()
+    assert summary.speedup == pytest.approx(summary.int8_images_per_s / summary.fp32_images_per_s)
+    assert summary.variant in variants_for(cpu_info()) and summary.kept_slow == (summary.speedup < MIN_SPEEDUP)
+    activation_products = [n for n in summary.float_nodes if n not in summary.kept_float]
+    assert activation_products and all("Conv" not in n for n in activation_products)  # votes × poses, not weights
     assert json.loads({p.key: p.value for p in proto.metadata_props}[INT8_KEY])["agreement"] == report.check.agreement
 
 
@@ -134,6 +154,7 @@ def test_the_gate_refuses_a_quantization_calibrated_on_blank_images(tmp_path, co
                 "--calibration-images",
                 "10",
                 "--force",
+                "--keep-slow",
             ]
         )
         == 0
@@ -175,12 +196,71 @@ def test_keep_float_names_the_nodes_it_can_take(tmp_path, data, capsys):
 
 def test_verify_int8_repeats_the_gate(int8_file, capsys):
     path, report = int8_file
-    assert main(["verify", str(path), "--int8", "--against", str(CIFAR10)]) == 0
+    assert main(["verify", str(path), "--int8", "--against", str(CIFAR10)]) == (0 if report.passed else 1)
     out = capsys.readouterr().out
-    assert f"agreement {report.check.agreement:.4f} on 100 held-out images (test" in out and "passed" in out
+    assert f"agreement {report.check.agreement:.4f} on 100 held-out images (test" in out and str(report) in out
     assert main(["verify", str(path), "--int8", "--against", str(CIFAR10), "--min-agreement", "1.01"]) == 1
     assert main(["verify", str(CIFAR10 / "model.onnx"), "--int8", "--against", str(CIFAR10)]) == 2
     assert "is not an int8 export" in capsys.readouterr().err
+
+
+# --- where it is served: the start-up re-check on the inputs the file records ---------------------------------
+
+
+def test_an_int8_graph_verifies_itself_where_it_is_opened(int8_file):
+    """The file records calibration images on which int8 decided as fp32 here, with both logits: opened on the
+    machine that exported it, every decision holds and the logits are those recorded."""
+    path, _ = int8_file
+    record = read_check(path)
+    n = record.shape[0]
+    assert 1 <= n <= 32 and record.shape[1:] == (3, 32, 32) and record.bound == MIN_AGREEMENT
+    assert record.cpu == cpu_info().describe()
+    train, _ = real_images.cifar10()
+    assert all((train[:100] == image).all(axis=(1, 2, 3)).any() for image in record.images())  # calibration images
+    runtime = load_runtime(path)
+    assert runtime.precision_reason.startswith(
+        f"int8 verified on this machine: int8 decides as fp32 on 1.0000 of the {n} images its export recorded"
+    )
+    assert "max |Δlogit| 0 from the int8 logits of the exporting machine" in runtime.precision_reason
+
+
+def test_an_int8_graph_is_refused_where_its_kernels_decide_otherwise(int8_file, monkeypatch, capsys):
+    """On a CPU whose int8 kernels flip every 10th recorded image, the graph is refused with what was measured; one
+    whose kernels move every logit alike, no decision changing, serves it and says by how much they moved."""
+    path, _ = int8_file
+    n = read_check(path).shape[0]
+    flips = len(range(0, n, 10))
+    stand_in_sessions(monkeypatch, change=dict.fromkeys(KINDS[1:], flip_every(10)))
+    with pytest.raises(RuntimeLoadError, match="is not served on this CPU") as e:
+        load_runtime(path)
+    assert f"int8 decides as fp32 on {(n - flips) / n:.4f} of the {n} images its export recorded (bound 0.97" in str(
+        e.value
+    )
+    assert "re-export it on this machine (`capserve export onnx MODEL_DIR -o model.onnx --int8" in str(e.value)
+    # `capserve verify --int8` measures instead of refusing
+    assert main(["verify", str(path), "--int8", "--against", str(CIFAR10)]) in (0, 1)
+    assert "held-out images (test" in capsys.readouterr().out
+
+    monkeypatch.undo()
+    stand_in_sessions(monkeypatch, change=dict.fromkeys(KINDS[1:], lambda logits: logits + 0.25))
+    assert "max |Δlogit| 0.25 from" in load_runtime(path).precision_reason
+
+
+def test_an_int8_graph_without_the_inputs_to_recheck_is_refused(int8_file, tmp_path):
+    path, _ = int8_file
+    proto = onnx.load(str(path))
+    kept = [(p.key, p.value) for p in proto.metadata_props if p.key != INT8_CHECK_KEY]
+    del proto.metadata_props[:]
+    for key, value in kept:
+        proto.metadata_props.add(key=key, value=value)
+    older = tmp_path / "older.onnx"
+    onnx.save_model(proto, str(older))
+    with pytest.raises(RuntimeLoadError, match="is an int8 graph without the inputs it re-checks on the machine"):
+        load_runtime(older)
+
+
+def read_check(path: Path) -> Int8Check:
+    return Int8Check.from_json({p.key: p.value for p in onnx.load(str(path)).metadata_props}[INT8_CHECK_KEY])
 
 
 # --- serving: CAPSERVE_MODEL at the int8 file, the real server -----------------------------------------------
@@ -194,6 +274,10 @@ def test_the_served_int8_graph_answers_like_load_runtime(int8_file, tmp_path):
         wait_ready(proc, url, log)
         described = httpx.get(f"{url}/model", timeout=60).json()
         assert described["single_label"]["precision"] == "int8", described  # GET /model names no host path
+        assert (
+            "int8 verified on this machine: int8 decides as fp32 on 1.0000 of the"
+            in (described["single_label"]["precision_reason"])
+        )
         images, _ = real_images.cifar10()
         runtime = load_runtime(path)
         for image in images[100:104]:
@@ -218,6 +302,9 @@ def test_the_served_int8_graph_answers_like_load_runtime(int8_file, tmp_path):
 
 
 def test_tensorrt_int8_builds_from_the_qdq_graph(tmp_path, data, int8_file, monkeypatch):
+    """The graph is exported with --force: how well ONNX Runtime's CPU kernels agree with fp32 on a TensorRT graph
+    depends on the CPU (an AVX2-only one measured 0.960), and is not what TensorRT will compute. The export runs
+    on sessions that flip one image in 25, as such a CPU does, so that no CPU passes this test by its kernels."""
     import capserve.export.tensorrt as export_trt
     from capserve.runtime.tensorrt_backend import EngineSidecar, sidecar_path
 
@@ -231,6 +318,7 @@ def test_tensorrt_int8_builds_from_the_qdq_graph(tmp_path, data, int8_file, monk
         export_trt.build_engine(CIFAR10 / "model.onnx", tmp_path / "m.plan", int8=True)
 
     onnx_file = tmp_path / "model-trt.onnx"
+    stand_in_sessions(monkeypatch, change=dict.fromkeys(KINDS[1:], flip_every(25)))
     assert (
         main(
             [
@@ -246,10 +334,12 @@ def test_tensorrt_int8_builds_from_the_qdq_graph(tmp_path, data, int8_file, monk
                 "16",
                 "--int8-target",
                 "tensorrt",
+                "--force",
             ]
         )
         == 0
     )
+    assert graph_kind(onnx_file) == "s8s8" and read_summary(onnx_file).speedup is None  # not timed on a CPU
     assert main(["export", "tensorrt", str(onnx_file), "-o", str(tmp_path / "m.plan"), "--int8"]) == 0
     parsed = [c for c in trt.calls if c[0] == "parse"]
     assert parsed and parsed[0][1] > 0 and ("set_flag", "INT8") in trt.calls and ("create_network", 0) in trt.calls
