@@ -38,6 +38,7 @@ def test_int8_dot_products_need_vnni_amx_or_the_arm_dot_product():
     assert not info(EPYC_AVX2).int8_dot_products
     assert info(GRAVITON).int8_dot_products
     assert CpuInfo("cpu", "x86_64", 2, frozenset({"avx2", "avx_vnni"})).int8_dot_products
+    assert CpuInfo("AMD EPYC 9B14", "x86_64", 2, frozenset({"avx2", "avx512f", "avx512_vnni"})).int8_dot_products
 
 
 def test_the_description_names_model_cores_and_features():
