@@ -314,6 +314,13 @@ class Capsules:
             )
         if explainer is None:
             model = self.source.path
+            if not model.is_dir():  # one graph file: the export and the torch backend need the model folder
+                raise self.fail(
+                    501,
+                    f"{self.settings.model} is one graph file, without {EXPLAIN_ARTIFACT}: serve the model folder "
+                    f"it was exported from, after `capserve export onnx FOLDER -o FOLDER/{EXPLAIN_ARTIFACT} "
+                    "--explain`, or that folder with CAPSERVE_BACKEND=torch",
+                )
             raise self.fail(
                 501,
                 f"{self.settings.model} has no {EXPLAIN_ARTIFACT}: run `capserve export onnx "

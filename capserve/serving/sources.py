@@ -100,7 +100,8 @@ def open_model(spec: str, settings: Settings, explain: bool = True) -> tuple[Run
             )
             raise ConfigurationError(
                 f"{path} has no {artifact.name}, which the {settings.backend} backend "
-                f"serves: run `{fix}` first, or set CAPSERVE_BACKEND=torch"
+                f"serves: run `{fix}` first, or use the torch backend (CAPSERVE_BACKEND=torch to serve, "
+                "--backend torch for capserve predict)"
             )
         runtime = load_runtime(artifact, settings.backend, settings.device, **lone_request_options(settings))
         runtime.precision_reason = precision_reason(runtime, settings)

@@ -426,6 +426,8 @@ def run(args: argparse.Namespace) -> int:
 
             def started(candidate, number, spent):  # type: ignore[no-untyped-def]
                 progress.update(task, completed=min(spent, args.budget), description=f"{number}. {candidate.label()}")
+                if not console.is_terminal:  # a log has no live bar: a line per candidate instead
+                    console.print(f"{number}. {candidate.label()} ({spent:.0f} s of {args.budget:g} s spent)")
 
             tuning = tune(folder, args.budget, measure, cpu=cpu, gpus=gpus, progress=started)
     table = Table(title=f"capserve tune {args.model}: /classify on {cpu.describe()}")

@@ -61,6 +61,9 @@ CHOICES: dict[str, type] = {
 # chosen together or not at all: a runtime measured as a whole (an explicit CAPSERVE_BACKEND or CAPSERVE_PRECISION
 # keeps the defaults' runtime rather than half of the tuned one)
 RUNTIME_CHOICES = ("backend", "precision", "artifact")
+# likewise the split of the cores: threads measured for the tuned number of workers oversubscribe the CPU under
+# another number (an explicit CAPSERVE_WORKERS or CAPSERVE_THREADS keeps the defaults' split)
+CORE_CHOICES = ("workers", "threads")
 
 
 @dataclass(frozen=True)
@@ -165,11 +168,14 @@ def apply_tuned(settings: Settings, env: Mapping[str, str], cpu: CpuInfo | None 
         log.warning("ignoring the tuned file %s: %s (run `capserve tune` on this machine)", path, why)
         return dataclasses.replace(settings, sources=sources)
     chosen = dict(tuned.settings)
-    if any(_explicit(name, env) for name in RUNTIME_CHOICES):
-        chosen = {k: v for k, v in chosen.items() if k not in RUNTIME_CHOICES}
+    for group in (RUNTIME_CHOICES, CORE_CHOICES):
+        if any(_explicit(name, env) for name in group):
+            chosen = {k: v for k, v in chosen.items() if k not in group}
     # GET /model shows it: the file's name, no host path
     source = f"tuned ({path.name}, {tuned.measured_on().describe()})"
     changes = {k: v for k, v in chosen.items() if not _explicit(k, env)}
     sources.update({k: source for k in changes})
+    if changes.keys() & set(RUNTIME_CHOICES):  # the runtime taken whole: its default graph file is the tuned one too
+        sources.update({k: source for k in RUNTIME_CHOICES})
     log.info("tuned settings from %s: %s", path, ", ".join(f"{k}={v}" for k, v in sorted(changes.items())) or "none")
     return dataclasses.replace(settings, **changes, sources=sources)

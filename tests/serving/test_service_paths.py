@@ -425,3 +425,17 @@ def test_a_failed_start_signals_only_the_server_that_spawned_the_worker(monkeypa
     monkeypatch.setenv(SERVER_PID_VARIABLE, str(os.getppid()))
     report_failed_start()
     assert sent == [(os.getppid(), FAILED_START_SIGNAL)]
+
+
+def test_explain_on_a_model_given_as_one_graph_file_says_to_serve_its_folder(tmp_path):
+    """A model given as a .onnx file has no folder to export an explanation graph into: the 501 names the folder the
+    file came from, not a path under the file."""
+    graph = tmp_path / "graphs" / "model.onnx"  # a graph on its own, no explanation graph beside it
+    graph.parent.mkdir()
+    graph.symlink_to(CIFAR10 / "model.onnx")
+    with serving(tmp_path, CAPSERVE_MODEL=str(graph), CAPSERVE_MULTILABEL_MODEL="none") as client:
+        r = client.post("/explain", **upload(real_images.png(real_images.cifar10()[0][0])))
+    assert r.status_code == 501, r.text
+    error = r.json()["error"]
+    assert "one graph file" in error and "FOLDER/model-explain.onnx" in error
+    assert "model.onnx/" not in error

@@ -142,13 +142,25 @@ def settings_of(env: dict[str, str], cpu: CpuInfo = HERE) -> Settings:
 
 def test_a_tuned_file_from_this_cpu_sets_what_the_environment_leaves_open(tmp_path):
     path = tuned_file(tmp_path)
-    s = settings_of({"CAPSERVE_MODEL": str(tmp_path), "CAPSERVE_THREADS": "3", "CAPSERVE_WORKERS": "auto"})
-    assert (s.workers, s.threads, s.max_batch_size) == (2, 3, 16)
+    s = settings_of({"CAPSERVE_MODEL": str(tmp_path), "CAPSERVE_WORKERS": "auto"})
+    assert (s.workers, s.threads, s.max_batch_size) == (2, 1, 16)
     assert W.worker_count(s) == 2  # auto follows the measurement
-    assert s.sources["workers"] == s.sources["max_batch_size"] == f"tuned ({path.name}, {HERE.describe()})"
-    assert s.sources["threads"] == "CAPSERVE_THREADS"
+    source = f"tuned ({path.name}, {HERE.describe()})"
+    assert s.sources["workers"] == s.sources["threads"] == s.sources["max_batch_size"] == source
+    assert s.sources["backend"] == s.sources["precision"] == s.sources["artifact"] == source  # the runtime, whole
     explicit = settings_of({"CAPSERVE_MODEL": str(tmp_path), "CAPSERVE_WORKERS": "1"})
     assert explicit.workers == 1 and explicit.sources["workers"] == "CAPSERVE_WORKERS"
+
+
+@pytest.mark.parametrize("variable", ["CAPSERVE_WORKERS", "CAPSERVE_THREADS"])
+def test_an_explicit_workers_or_threads_keeps_the_tuned_split_of_the_cores_out_whole(tmp_path, variable):
+    """Threads measured for 1 worker are not given to each of 2 workers (4 threads on 2 cores), nor 2 workers
+    given a thread count measured for 1 each."""
+    tuned_file(tmp_path, workers=1, threads=2)
+    s = settings_of({"CAPSERVE_MODEL": str(tmp_path), variable: "2"})
+    assert (s.workers, s.threads) == ((2, None) if variable == "CAPSERVE_WORKERS" else (None, 2))
+    assert s.sources["workers" if variable == "CAPSERVE_THREADS" else "threads"] == "default"
+    assert s.max_batch_size == 16  # the rest of the file still applies
 
 
 def test_without_a_tuned_file_auto_is_one_worker_on_a_cpu(tmp_path):
@@ -224,12 +236,12 @@ def test_get_model_says_where_each_choice_came_from(tiny_cifar10, tmp_path):
         "CAPSERVE_MODEL": str(tiny_cifar10),
         "CAPSERVE_MULTILABEL_MODEL": "none",
         TUNED_VARIABLE: str(path),
-        "CAPSERVE_THREADS": "1",
+        "CAPSERVE_MAX_BATCH_SIZE": "8",
     }
     import capserve.hardware
 
     settings = apply_tuned(Settings.from_env(env), env, cpu=capserve.hardware.cpu_info())  # ignored: not HERE
-    assert set(settings.sources.values()) == {"default", "CAPSERVE_THREADS"}
+    assert set(settings.sources.values()) == {"default", "CAPSERVE_MAX_BATCH_SIZE"}
     settings = apply_tuned(Settings.from_env(env), env, cpu=HERE)
     capsules = Capsules(settings, worker=W.assign(settings, 0, W.worker_count(settings)))
     described = capsules.describe()
@@ -237,8 +249,8 @@ def test_get_model_says_where_each_choice_came_from(tiny_cifar10, tmp_path):
     choices = described["choices"]
     source = f"tuned ({TUNED_FILE}, {HERE.describe()})"
     assert choices["workers"] == {"value": 2, "set_by": source} and described["workers"] == 2
-    assert choices["max_batch_size"] == {"value": 16, "set_by": source}
-    assert choices["threads"] == {"value": 1, "set_by": "CAPSERVE_THREADS"}
+    assert choices["max_batch_size"] == {"value": 8, "set_by": "CAPSERVE_MAX_BATCH_SIZE"}
+    assert choices["threads"] == {"value": 1, "set_by": source}
     assert choices["backend"] == {"value": "onnxruntime", "set_by": source}
     assert str(tmp_path) not in json.dumps(described)  # callers see no host path
     assert choices["artifact"]["value"] == "model.onnx"
@@ -259,6 +271,7 @@ def test_capserve_tune_writes_a_file_that_serve_reads_back(tiny_cifar10, tmp_pat
     assert main(["tune", str(folder), "--budget", "1"]) == 0
     out = capsys.readouterr().out
     assert "CPU: " in out and "req/s at 32" in out and "chosen" in out and "not measured within --budget" in out
+    assert "1. onnxruntime fp32" in out  # progress in a log, where no live bar shows
     tuned = read_tuned(folder / TUNED_FILE)
     assert tuned.settings["workers"] == 1 and tuned.measured[0]["requests_per_s"] > 0
     settings = settings_or_exit({"CAPSERVE_MODEL": str(folder), "CAPSERVE_MULTILABEL_MODEL": "none"})
