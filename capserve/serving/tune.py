@@ -42,10 +42,10 @@ import numpy as np
 
 from capserve.errors import UsageError
 from capserve.hardware import CpuInfo, cpu_info
+from capserve.pipeline.models import ARTIFACTS, EXPLAIN_ARTIFACT, resolve_model
 from capserve.serving.cli import SERVICE
 from capserve.serving.loadtest import load
 from capserve.serving.settings import Settings
-from capserve.serving.sources import ARTIFACTS, EXPLAIN_ARTIFACT, resolve_model
 from capserve.serving.tuned import TUNED_FILE, TUNED_VARIABLE, Tuned, write_tuned
 from capserve.serving.workers import visible_gpus
 
