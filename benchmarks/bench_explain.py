@@ -23,8 +23,8 @@ import numpy as np
 from capserve.data.builtin import load_cifar10
 from capserve.data.preprocess import normalize_images
 from capserve.hardware import cpu_info
+from capserve.pipeline.explain import occlusion
 from capserve.runtime import load_runtime
-from capserve.serving.explain import occlusion
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -71,6 +71,16 @@ def test_no_import_circle():
     assert find_cycle(graph) is None, " → ".join(find_cycle(graph) or [])
 
 
+def test_predict_and_the_pipeline_import_nothing_from_the_server():
+    """Offline prediction and the image -> answer pipeline run without the HTTP service: neither imports
+    ``capserve.serving`` (function-level imports included), so the server cannot drift from them unseen."""
+    below = [name for name in MODULES if name.split(".")[1:2] in (["predict"], ["pipeline"])]
+    assert below
+    for name in below:
+        server = {m for m in imported_modules(name, MODULES[name]) if m.split(".")[1:2] == ["serving"]}
+        assert not server, f"{name} imports {sorted(server)}"
+
+
 def test_the_cycle_finder_finds_a_circle_through_a_function_level_import(tmp_path):
     a, b = tmp_path / "a.py", tmp_path / "b.py"
     a.write_text("import capserve.configs\n")

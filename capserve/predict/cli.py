@@ -30,8 +30,8 @@ import numpy as np
 
 from capserve.data.progress import progress_bar
 from capserve.errors import UsageError
+from capserve.predict.inputs import expand
 from capserve.predict.predictor import Predictor, pixels_or_error
-from capserve.predict.sources import expand
 from capserve.runtime import BACKENDS
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,6 @@ column of ``ray.data.read_images`` (docs/predict.md).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,13 +18,10 @@ import numpy as np
 from PIL import Image
 
 from capserve.data.images import DEFAULT_MAX_PIXELS, ImageError, image_to_array
-from capserve.data.preprocess import normalize_images
-from capserve.errors import InputError
+from capserve.pipeline.decoding import RequestError, decode
+from capserve.pipeline.inference import answers_of
+from capserve.pipeline.models import OpenOptions, open_model
 from capserve.runtime.outputs import answer_options
-from capserve.serving.answers import classifications, multilabel_answers
-from capserve.serving.app import RequestError, decode
-from capserve.serving.settings import Settings
-from capserve.serving.sources import open_model
 
 Item = str | Path | bytes | Image.Image | np.ndarray
 
@@ -71,17 +67,8 @@ class Predictor:
         threshold: float | None = None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
     ) -> None:
-        settings = dataclasses.replace(
-            Settings(),
-            model=str(model),
-            multilabel_model="none",
-            backend=backend,
-            device=device,
-            precision=precision,
-            iterations=iterations,
-            max_pixels=max_pixels,
-        )
-        self.runtime, _, self.source = open_model(str(model), settings, explain=False)
+        options = OpenOptions(backend=backend, device=device, precision=precision, iterations=iterations)
+        self.runtime, _, self.source = open_model(str(model), options, explain=False)
         self.metadata = meta = self.runtime.metadata
         self.multi_label = meta.task == "multi_label"
         self.top_k, self.threshold = answer_options(len(meta.labels), top_k, threshold, self.multi_label)
@@ -102,15 +89,7 @@ class Predictor:
 
     def answer(self, pixels: np.ndarray) -> list[dict[str, Any]]:
         """uint8 (B, C, H, W) → the answers, as the JSON bodies the server would send."""
-        try:
-            logits = self.runtime.predict(normalize_images(pixels, self.metadata))  # (B, classes)
-        except InputError as e:
-            raise ValueError(str(e)) from e
-        answers = (
-            multilabel_answers(logits, self.metadata, self.threshold)
-            if self.multi_label
-            else classifications(logits, self.metadata, self.top_k)
-        )
+        answers = answers_of(self.runtime, pixels, self.top_k, self.threshold)  # the service's own answers
         return [a.model_dump() for a in answers]
 
     def predict(self, items: Sequence[Item]) -> list[dict[str, Any]]:

@@ -1,10 +1,10 @@
 """The request logic of the HTTP service: ``Capsules`` (the served models, loaded once and warmed up, and one method
-per endpoint), the errors it refuses requests with (``RequestError``, ``http_error``) and image decoding
-(``decode``).
+per endpoint) and ``http_error``, which turns a ``RequestError`` into BentoML's answer with its status; decoding
+and answers are ``capserve.pipeline``'s.
 
 ``service.py`` is a thin BentoML shell over ``Capsules``. BentoML is imported only inside the functions that need
 it (its exception types, its version); adaptive batching is ``capserve.serving.batching``'s, model loading
-``capserve.serving.sources``'s.
+``capserve.pipeline.models``'s.
 """
 
 from __future__ import annotations
@@ -14,18 +14,22 @@ import functools
 import logging
 from dataclasses import asdict
 from http import HTTPStatus
-from pathlib import Path
 from typing import Any
 
 import anyio
 import numpy as np
 
-from capserve.data.images import ImageError, ImageTooLargeError, ImageTooSmallError, UnsupportedImageError, load_image
+from capserve.data.images import ImageTooLargeError
 from capserve.data.preprocess import normalize_images
 from capserve.errors import ConfigurationError, InputError
+from capserve.pipeline.answers import classifications, multilabel_answers, top_labels
+from capserve.pipeline.decoding import RequestError, Upload, decode
+from capserve.pipeline.explain import Occlusion, heatmap_png, occlusion, occlusion_png, selectivity, vs_uniform
+from capserve.pipeline.inference import logits_of
+from capserve.pipeline.models import ARTIFACTS, EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model
+from capserve.pipeline.schemas import Capsule, Classification, Explained, MultiLabel, Occluded
 from capserve.runtime import Explanation, Runtime
 from capserve.runtime.outputs import answer_options, softmax
-from capserve.serving.answers import classifications, multilabel_answers, top_labels
 from capserve.serving.batching import (
     ENDPOINTS,
     INLINE_DECODE_BYTES,
@@ -33,13 +37,10 @@ from capserve.serving.batching import (
     Batcher,
     batch_size_histogram,
 )
-from capserve.serving.explain import Occlusion, heatmap_png, occlusion, occlusion_png, selectivity, vs_uniform
 from capserve.serving.guard import remember_error
 from capserve.serving.process import leave_failed_worker, report_failed_start
 from capserve.serving.routes import ARRAY_ROUTES, NO_MULTILABEL_MODEL
-from capserve.serving.schemas import Capsule, Classification, Explained, MultiLabel, Occluded
 from capserve.serving.settings import Settings
-from capserve.serving.sources import ARTIFACTS, EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model
 from capserve.serving.tuned import CHOICES
 from capserve.serving.workers import Worker, assign
 
@@ -47,14 +48,6 @@ log = logging.getLogger("capserve.service")
 
 
 # ---------------------------------------------------------------------------- request errors
-
-
-class RequestError(ValueError):
-    """A request the service refuses; ``status`` is its HTTP status (the README's error table)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 _HTTP_ERRORS: dict[int, type] = {}
@@ -71,28 +64,6 @@ def http_error(error: RequestError) -> Exception:
             f"HTTP{error.status}", (BentoMLException,), {"error_code": HTTPStatus(error.status)}
         )
     return _HTTP_ERRORS[error.status](str(error))
-
-
-IMAGE_ERRORS: dict[type[ImageError], int] = {
-    ImageTooLargeError: 413,
-    ImageTooSmallError: 422,
-    UnsupportedImageError: 422,
-}
-
-
-Upload = bytes | Path  # an image parameter: the bytes RequestGuard parsed (``guarded_upload``), or a file
-
-
-def decode(upload: Upload, runtime: Runtime, max_pixels: int, what: str = "the image") -> np.ndarray:
-    """An uploaded image → uint8 (C, H, W) for ``runtime``'s model; bad images raise ``RequestError``.
-
-    ``what`` names the upload in messages (the client never sees BentoML's temporary file names).
-    """
-    data = upload if isinstance(upload, bytes) else upload.read_bytes()
-    try:
-        return load_image(data, runtime.metadata, max_pixels)
-    except ImageError as e:
-        raise RequestError(IMAGE_ERRORS.get(type(e), 400), f"{what}: {e}") from e
 
 
 # ---------------------------------------------------------------------------- the service's logic
@@ -203,15 +174,10 @@ class Capsules:
     def predict(self, runtime: Runtime, pixels: np.ndarray, batch_size: int | None = None) -> np.ndarray:
         """uint8 (B, C, H, W) → float32 logits (B, classes), ``batch_size`` images at a time (default all); bad
         pixels or shapes are 400s."""
-        if pixels.dtype != np.uint8:  # JSON tensors arrive as int64
-            if pixels.dtype.kind not in "iu" or pixels.size == 0 or pixels.min() < 0 or pixels.max() > 255:
-                raise self.fail(400, f"images must be integer pixels in [0, 255], got {pixels.dtype} values")
-            pixels = pixels.astype(np.uint8)
         try:
-            x = normalize_images(pixels, runtime.metadata)
-            return runtime.predict_in_batches(x, batch_size or max(len(x), 1))
-        except InputError as e:
-            raise self.fail(400, str(e)) from e
+            return logits_of(runtime, pixels, batch_size)
+        except RequestError as e:
+            raise self.error(e) from e
 
     async def run(self, function: Any, *args: Any) -> Any:
         """``function(*args)`` in a worker thread; its RequestErrors become ``error``'s exceptions."""

@@ -35,20 +35,6 @@ SHED_LOG_SECONDS = 10.0  # at most one log line per endpoint this often about re
 ENDPOINTS = {False: "classify", True: "multilabel"}  # multilabel → the endpoint label of the batch-size metric
 
 
-def lone_request_options(settings: Settings) -> dict[str, Any]:
-    """Options of the session that serves predictions. With adaptive batching on a CPU, ONNX Runtime batches run on
-    their own session (``batch_runtime``) and this one mostly runs lone requests, one at a time: its threads may spin
-    between an operator's parallel sections instead of sleeping and waking (ONNX Runtime's default, which every
-    other session here turns off), which lowers a lone request's latency without costing throughput under load
-    (docs/benchmarks.md, "HTTP request path"). With batching off, concurrent requests share this session, and
-    spinning threads would take the cores their peers need."""
-    if settings.backend != "onnxruntime":
-        return {}
-    threads = {"threads": settings.threads} if settings.threads else {}  # the worker's share (None: all cores)
-    batches_apart = settings.device == "cpu" and settings.max_batch_size > 1
-    return {**threads, "spinning": True} if batches_apart else threads
-
-
 def batches_for(threads: int) -> int:
     """Adaptive batches run at once on a separate CPU batch session, for a worker with ``threads`` intra-op threads:
     ``BATCHES_IN_FLIGHT``, but never more than its threads (a worker with one core's share runs one at a time, so

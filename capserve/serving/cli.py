@@ -51,8 +51,8 @@ def server_environment(args: argparse.Namespace, env: Mapping[str, str]) -> dict
 def check(env: Mapping[str, str]) -> None:
     """Fail in one line, before a server starts, on bad settings or a model that is neither a folder, a file nor in
     BentoML's model store (loading it is the server's: it exits with status 3 when that fails)."""
+    from capserve.pipeline.models import resolve_model
     from capserve.serving.settings import Settings
-    from capserve.serving.sources import resolve_model
 
     try:
         settings = Settings.from_env(env)

@@ -1,7 +1,8 @@
 """The OpenAPI document as a contract: BentoML's own ``/docs.json``, completed with what ``RequestGuard`` and the
 routes really answer. Every route lists every status it can answer with the ``{"error": "..."}`` body, pixel tensors
 say their element type, range and shape, file fields say ``image/*``, answers have the schemas of
-``capserve.serving.schemas`` (BentoML's inline copies drop ``null``), and API keys appear as a bearer scheme.
+``capserve.pipeline.schemas`` and ``capserve.serving.schemas`` (BentoML's inline copies drop ``null``), and API
+keys appear as a bearer scheme.
 
 BentoML 1.4.40 writes OpenAPI 3.0 with JSON Schema 2020-12 pieces from pydantic (``type: null``, numeric
 ``exclusiveMinimum``, ``type: file``) that 3.0 validators reject; ``openapi_3_0`` rewrites them. Fixed upstream when
@@ -15,9 +16,10 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from capserve.pipeline.schemas import Classification, Explained, MultiLabel
 from capserve.serving.asgi import rewrite_response
 from capserve.serving.routes import ARRAY_ROUTES, OPEN_ROUTES
-from capserve.serving.schemas import Classification, ErrorBody, Explained, MultiLabel, ServerDescription
+from capserve.serving.schemas import ErrorBody, ServerDescription
 
 # status → what it means, for every route that can answer it (README "Errors" has the long form)
 STATUS_REASONS = {

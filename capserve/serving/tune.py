@@ -36,9 +36,9 @@ import numpy as np
 
 from capserve.errors import UsageError
 from capserve.hardware import CpuInfo, cpu_info
+from capserve.pipeline.models import ARTIFACTS, EXPLAIN_ARTIFACT, resolve_model
 from capserve.serving.loadtest import load, random_png, running_server
 from capserve.serving.settings import Settings
-from capserve.serving.sources import ARTIFACTS, EXPLAIN_ARTIFACT, resolve_model
 from capserve.serving.tuned import TUNED_FILE, TUNED_VARIABLE, Tuned, write_tuned
 from capserve.serving.workers import visible_gpus
 

@@ -21,11 +21,11 @@ from typing import Any
 from capserve.errors import ConfigurationError
 from capserve.files import partial_file
 from capserve.hardware import CpuInfo, cpu_info
+from capserve.pipeline.models import resolve_model
 from capserve.records import checked_fields
 from capserve.runtime import BACKENDS
 from capserve.runtime.precision import PRECISIONS
 from capserve.serving.settings import Settings
-from capserve.serving.sources import resolve_model
 
 __all__ = [
     "CHOICES",

@@ -257,7 +257,8 @@ def test_fine_tuning_a_cnn_restarts_its_classifier_when_the_labels_differ(tmp_pa
 
 def test_service_torch_backend_serves_a_cnn_and_explain_says_why_not(checkpoints, tmp_path):
     from capserve.errors import ConfigurationError
-    from capserve.serving.app import Capsules, RequestError
+    from capserve.pipeline.decoding import RequestError
+    from capserve.serving.app import Capsules
     from capserve.serving.settings import Settings
 
     single, multi = checkpoints["cifar10-resnet18"], checkpoints["multimnist-cnn-fc-small"]

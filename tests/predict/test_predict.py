@@ -22,7 +22,7 @@ from support.server import export, random_png
 
 from capserve.cli import main
 from capserve.predict import Predictor
-from capserve.predict.sources import expand
+from capserve.predict.inputs import expand
 
 ROOT = Path(__file__).resolve().parents[2]
 CIFAR10, MULTIMNIST = str(ROOT / "models" / "cifar10"), str(ROOT / "models" / "multimnist")

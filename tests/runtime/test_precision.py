@@ -19,11 +19,11 @@ from support.server import failed_start, random_png, start_server, stop, wait_re
 from capserve.cli import main
 from capserve.data.images import preprocess
 from capserve.errors import ConfigurationError
+from capserve.pipeline.models import open_model
 from capserve.runtime import load_runtime
 from capserve.runtime import precision as P
 from capserve.runtime.metadata import ModelMetadata
 from capserve.serving.settings import Settings
-from capserve.serving.sources import open_model
 
 SHIPPED = Path(__file__).resolve().parents[2] / "models" / "cifar10"  # has model.onnx and model-explain.onnx
 

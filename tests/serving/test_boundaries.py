@@ -206,7 +206,8 @@ def test_the_501_of_capserve_serve_model_names_the_option_and_the_variable(servi
 
 
 def http_error_record(status: int) -> logging.LogRecord:
-    from capserve.serving.app import RequestError, http_error
+    from capserve.pipeline.decoding import RequestError
+    from capserve.serving.app import http_error
 
     error = http_error(RequestError(status, "x"))
     return logging.LogRecord(

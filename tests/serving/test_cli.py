@@ -12,9 +12,9 @@ from support.models import tiny_model
 from support.server import export
 
 from capserve.cli import main
+from capserve.pipeline.models import open_model
 from capserve.serving.cli import SERVICE, server_environment
 from capserve.serving.settings import Settings
-from capserve.serving.sources import open_model
 
 pytest.importorskip("onnxruntime")
 

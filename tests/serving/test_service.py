@@ -232,7 +232,7 @@ def test_explain_occlusion_follows_the_model_as_each_window_is_greyed(server, ea
 def test_the_occlusion_map_is_drawn_on_a_fixed_scale():
     """No drop leaves the image as it is; a window whose greying takes away the whole margin is full red; a drop that
     is small against the margin stays faint (never stretched to full colour), a quarter of it shows at half strength."""
-    from capserve.serving.explain import RAMP, Occlusion, occlusion_png
+    from capserve.pipeline.explain import RAMP, Occlusion, occlusion_png
 
     image = np.full((3, 4, 4), 100, np.uint8)
 
@@ -251,7 +251,7 @@ def test_the_occlusion_map_is_drawn_on_a_fixed_scale():
 def test_heatmap_has_a_fixed_scale_relative_to_uniform():
     """The shipped CIFAR-10 model's grid spans 0.0998-0.1013 for 10 classes: it must look uniform (pale), not be
     stretched to full colour; routing four times uniform is full red, a quarter is full blue."""
-    from capserve.serving.explain import RAMP, heatmap_png, selectivity
+    from capserve.pipeline.explain import RAMP, heatmap_png, selectivity
 
     image = np.zeros((3, 4, 4), np.uint8)
 

@@ -46,14 +46,14 @@ from capserve.data.images import (
     preprocess,
 )
 from capserve.data.preprocess import normalize_images
+from capserve.pipeline.explain import heatmap_png
+from capserve.pipeline.models import open_model
 from capserve.routing import fused
 from capserve.runtime import load_runtime
 from capserve.serving import Capsules, process
 from capserve.serving.batching import batch_runtime
-from capserve.serving.explain import heatmap_png
 from capserve.serving.process import FAILED_START_SIGNAL, SERVER_PID_VARIABLE, report_failed_start
 from capserve.serving.settings import Settings
-from capserve.serving.sources import open_model
 
 pytest.importorskip("onnxruntime")
 
@@ -181,7 +181,7 @@ def test_explain_through_torch_is_the_routing_trace(torch_server, eager):
 def test_heatmap_paints_the_grid_over_the_image():
     """Literal colours: a grid low on the left, high on the right, over a white and black image; alpha 0.55.
     The scale is fixed: 1/4 of uniform or less is the ramp's blue end, 4× or more its red end, uniform its middle."""
-    from capserve.serving.explain import RAMP
+    from capserve.pipeline.explain import RAMP
 
     image = np.zeros((3, 4, 4), np.uint8)
     image[:, :2] = 255  # top half white, bottom half black

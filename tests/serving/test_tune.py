@@ -316,7 +316,7 @@ def test_the_tuned_file_travels_into_the_model_store_and_a_tag_reads_it(tiny_cif
 def test_a_tuned_artifact_is_the_graph_served_from_the_model_folder(tiny_cifar10, tmp_path):
     """A tuned file may choose another graph in the folder for onnxruntime (an INT8 one): the folder serves it,
     with the folder's explanation graph."""
-    from capserve.serving.sources import open_model
+    from capserve.pipeline.models import open_model
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_cifar10, folder)

@@ -24,8 +24,8 @@ from capserve.data.splits import Split
 from capserve.evaluate import metrics as ev
 from capserve.export.onnx import load_checkpoint
 from capserve.model.checkpoint import not_learned_warning, save_model
+from capserve.pipeline.models import open_model
 from capserve.serving.settings import Settings
-from capserve.serving.sources import open_model
 from capserve.train.loop import check_learned, has_learned, mark_not_learned, prior_score, verdict
 
 ROOT = Path(__file__).resolve().parents[2]

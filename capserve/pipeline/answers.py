@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from capserve.pipeline.schemas import Classification, Label, MultiLabel
 from capserve.runtime.metadata import ModelMetadata
 from capserve.runtime.outputs import labels_passed, sigmoid, softmax, thresholds_or_default
-from capserve.serving.schemas import Classification, Label, MultiLabel
 
 
 def top_labels(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from capserve.serving.explain import occlusion, occlusion_png
+from capserve.pipeline.explain import occlusion, occlusion_png
 
 SIDE = 32
 HALF = SIDE // 2

@@ -1,4 +1,5 @@
-"""Where the served models come from: a model directory, an .onnx or engine file, or a tag in BentoML's model store."""
+"""Opening a model for predictions, for the service and ``capserve predict`` alike: where it comes from (a model
+directory, an .onnx or engine file, or a tag in BentoML's model store) and the runtimes it is served with."""
 
 from __future__ import annotations
 
@@ -7,13 +8,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 from capserve.errors import ConfigurationError, PrecisionError, RuntimeLoadError
 from capserve.model.checkpoint import not_learned_warning
 from capserve.runtime import Runtime, load_runtime
-from capserve.runtime.precision import open_torch, resolve_precision
-from capserve.serving.batching import lone_request_options
-from capserve.serving.settings import Settings
+from capserve.runtime.precision import BF16_MIN_AGREEMENT, open_torch, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +26,53 @@ EXPLAIN_ARTIFACT = "model-explain.onnx"
 STORE_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(:[A-Za-z0-9_.-]+)?$")  # BentoML's NAME[:VERSION]
 
 
+class ModelOptions(Protocol):
+    """What opening a model reads: the service's ``Settings`` or an ``OpenOptions``."""
+
+    backend: str
+    device: str
+    precision: str
+    iterations: int | None
+    threads: int | None
+    bf16_min_agreement: float
+    artifact: str | None
+    max_batch_size: int
+
+
+@dataclass(frozen=True)
+class OpenOptions:
+    """How to open a model outside the service (``capserve predict``), with the service's defaults."""
+
+    backend: str = "onnxruntime"  # onnxruntime | torch | tensorrt
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    precision: str = "auto"  # fp32 | bf16 (torch backend) | auto
+    iterations: int | None = None  # torch backend only: routing iterations
+    threads: int | None = None  # intra-op threads; None: all cores
+    bf16_min_agreement: float = BF16_MIN_AGREEMENT  # bf16 start-up check: least agreement with fp32, else fp32
+    artifact: str | None = None  # a graph in the folder other than model.onnx
+    max_batch_size: int = 32  # the service's adaptive batching default: above 1, lone requests run apart
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where a served model came from: its folder, and its BentoML model-store tag when it came from the store."""
 
     path: Path
     tag: str | None = None
+
+
+def lone_request_options(settings: ModelOptions) -> dict[str, Any]:
+    """Options of the session that serves predictions. With adaptive batching on a CPU, ONNX Runtime batches run on
+    their own session (``batch_runtime``) and this one mostly runs lone requests, one at a time: its threads may spin
+    between an operator's parallel sections instead of sleeping and waking (ONNX Runtime's default, which every
+    other session here turns off), which lowers a lone request's latency without costing throughput under load
+    (docs/benchmarks.md, "HTTP request path"). With batching off, concurrent requests share this session, and
+    spinning threads would take the cores their peers need."""
+    if settings.backend != "onnxruntime":
+        return {}
+    threads = {"threads": settings.threads} if settings.threads else {}  # the worker's share (None: all cores)
+    batches_apart = settings.device == "cpu" and settings.max_batch_size > 1
+    return {**threads, "spinning": True} if batches_apart else threads
 
 
 def has_routing(runtime: Runtime) -> bool:
@@ -59,7 +100,7 @@ def resolve_model(spec: str) -> ModelSource:
     return ModelSource(Path(stored.path), str(stored.tag))
 
 
-def open_model(spec: str, settings: Settings, explain: bool = True) -> tuple[Runtime, Runtime | None, ModelSource]:
+def open_model(spec: str, settings: ModelOptions, explain: bool = True) -> tuple[Runtime, Runtime | None, ModelSource]:
     """The runtime for predictions, the one for explanations (None when the model has none, or ``explain`` is False:
     the multi-label model, which /explain does not use), and the source."""
     source = resolve_model(spec)
@@ -128,13 +169,13 @@ def open_model(spec: str, settings: Settings, explain: bool = True) -> tuple[Run
         raise ConfigurationError(f"cannot load the model in {path} with the {settings.backend} backend: {e}") from e
 
 
-def precision_reason(runtime: Runtime, settings: Settings) -> str:
+def precision_reason(runtime: Runtime, settings: ModelOptions) -> str:
     """Why ``runtime`` serves its precision, with what opening it checked (an int8 graph's start-up check)."""
     _, reason = resolve_precision(settings.precision, settings.backend, settings.device)
     return f"{reason}; {runtime.precision_reason}" if runtime.precision_reason else reason
 
 
-def _open_file(path: Path, settings: Settings) -> Runtime:
+def _open_file(path: Path, settings: ModelOptions) -> Runtime:
     """An exported artifact given as a file (``model.onnx``, ``model.plan``): the backend must be the one it is for."""
     wanted = ARTIFACTS.get(settings.backend)
     if wanted is None or path.suffix != Path(wanted).suffix:
@@ -153,7 +194,7 @@ def _open_file(path: Path, settings: Settings) -> Runtime:
     return runtime
 
 
-def _file_explainer(path: Path, settings: Settings, runtime: Runtime) -> Runtime | None:
+def _file_explainer(path: Path, settings: ModelOptions, runtime: Runtime) -> Runtime | None:
     """The explanation graph exported next to an artifact file (``NAME-explain.onnx`` beside ``NAME.onnx``), when it
     was exported from the same weights; else None (/explain off)."""
     sibling = path.with_name(f"{path.stem}-explain.onnx")
