@@ -1,8 +1,11 @@
-"""ASGI plumbing the guard and the OpenAPI rewrite share."""
+"""ASGI plumbing the guard and the OpenAPI rewrite share: a response held and rewritten, a body given once, headers
+replaced."""
 
 from __future__ import annotations
 
 from typing import Any
+
+__all__ = ["body_once", "replace_headers", "rewrite_response"]
 
 
 def rewrite_response(send: Any, holds: Any, rewrite: Any) -> Any:
@@ -25,3 +28,25 @@ def rewrite_response(send: Any, holds: Any, rewrite: Any) -> Any:
         await send(body)
 
     return wrapped
+
+
+def body_once(body: bytes, then: Any = None) -> Any:
+    """An ASGI receive() that gives ``body`` once, then defers to ``then`` (the real one: disconnects)."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if then is None:
+            return {"type": "http.disconnect"}
+        return await then()
+
+    return receive
+
+
+def replace_headers(raw: list, content_type: str, length: int) -> list:
+    """ASGI headers ``raw`` with their Content-Type and Content-Length replaced."""
+    kept = [(k, v) for k, v in raw if k.lower() not in (b"content-type", b"content-length")]
+    return [*kept, (b"content-type", content_type.encode()), (b"content-length", str(length).encode())]

@@ -1,6 +1,21 @@
-"""``RequestGuard``, the ASGI middleware in front of BentoML: body-size limit (413), multipart parsed once and
-checked (field names, media types, query parameters), and one JSON error shape ``{"error": "..."}`` for every
-4xx/5xx."""
+"""``RequestGuard``, the ASGI middleware in front of BentoML, and the one error shape ``{"error": "..."}``.
+
+What it adds to BentoML, each because BentoML 1.4.40 cannot do it (read in its source):
+
+- API keys (401): open-source BentoML has no authentication setting; its security guide says to add an ASGI
+  middleware, and ``api_endpoint_wrapper`` answers a 401 or 403 raised by an API as "Authorization error".
+- The body-size limit (413): neither BentoML's configuration (``services.*``) nor the uvicorn server it starts
+  (``_bentoml_impl.worker.service``) limits a body; an oversized upload is read whole before any API runs.
+- One multipart parse, checked (400, 415): ``MultipartSerde`` fetches a file field sent as text as a URL
+  (``ensure_file``) and writes each upload to a temporary file, and ``ContentType("image/*")`` answers a part sent
+  as ``application/octet-stream`` (curl's label for a name without a known extension) with a 400.
+- GET on parameterless APIs: BentoML routes every API as POST only, and ``@bentoml.api`` takes no HTTP method.
+- JSON routes' media type and pixel tensors (415, 400): BentoML parses the body as whatever media type is declared
+  (a multipart one without a boundary: a 500), and its batcher fails every request batched with a malformed
+  tensor (500).
+- One error shape (``one_error_shape``, ``QuietClientErrors``): ``api_endpoint_wrapper`` answers a 4xx as a list,
+  a validation error with ``detail`` and every 5xx with a generic message, each logged with a traceback.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +26,34 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from http import HTTPStatus
 from typing import Any
-from urllib.parse import parse_qsl
 
-import numpy as np
 from pydantic import WrapValidator
 
-from capserve.serving.asgi import rewrite_response
+from capserve.serving.asgi import body_once, replace_headers, rewrite_response
+from capserve.serving.bodies import (
+    Refused,
+    maybe_image,
+    not_a_parameter,
+    pixels_problem,
+    query_parameters,
+    read_form,
+    with_query,
+)
 from capserve.serving.openapi import contract_response
 from capserve.serving.routes import ARRAY_ROUTES, OPEN_ROUTES
+
+__all__ = [
+    "EXPECTED_SERVER_STATES",
+    "GUARDED_UPLOAD",
+    "UPLOAD_TOKEN",
+    "QuietClientErrors",
+    "RequestGuard",
+    "error_message",
+    "guarded_upload",
+    "json_response",
+    "one_error_shape",
+    "remember_error",
+]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +61,7 @@ log = logging.getLogger(__name__)
 
 
 def json_response(status: int, message: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ASGI messages (start, body) of an answer ``{"error": message}`` with ``status``."""
     body = json.dumps({"error": message}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     start = {"type": "http.response.start", "status": status, "headers": headers}
@@ -33,7 +69,8 @@ def json_response(status: int, message: str) -> tuple[dict[str, Any], dict[str, 
 
 
 class RequestGuard:
-    """ASGI middleware in front of BentoML: a body size limit (413) and the image routes' body formats.
+    """ASGI middleware in front of BentoML: API keys (401), a body size limit (413), the image routes' body formats
+    and the JSON routes' bodies (400, 415), and GET on parameterless APIs.
 
     The image routes take a multipart form (the API's parameters, the image(s) as file fields; parameters may also
     be in the query string) or a raw image body with the other parameters in the query string. The body is parsed
@@ -76,151 +113,68 @@ class RequestGuard:
         self.array_routes = array_routes
         self.input_shapes = input_shapes if input_shapes is not None else {}
 
-    @staticmethod
-    def _body_once(body: bytes, then: Any = None) -> Any:
-        """An ASGI receive() that gives ``body`` once, then defers to ``then`` (the real one: disconnects)."""
-        sent = False
-
-        async def receive() -> dict:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            if then is None:
-                return {"type": "http.disconnect"}
-            return await then()
-
-        return receive
-
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         _request_error.set({})  # remember_error's, for this request
         send = one_error_shape(scope, send)
-        path = scope["path"].rstrip("/") or "/"
+        try:
+            await self._route(scope, receive, send)
+        except Refused as refused:
+            await self._reply(send, refused.status, refused.message, refused.headers)
+
+    async def _route(self, scope: dict, receive: Any, send: Any) -> None:
+        """One request's way through the guard: refused (``Refused``), passed on as it came, or passed on with its
+        body checked and rewritten as the JSON BentoML reads."""
+        path, method = scope["path"].rstrip("/") or "/", scope["method"]
         if self.api_keys and path not in OPEN_ROUTES:
-            refused = self._unauthorized(scope["headers"])
-            if refused:
-                challenge = 'Bearer realm="capserve"' + (', error="invalid_token"' if "not valid" in refused else "")
-                return await self._reply(send, 401, refused, [(b"www-authenticate", challenge.encode())])
-        if scope["method"] == "GET" and path == "/docs.json":
+            self._authorize(scope["headers"])
+        if method == "GET" and path == "/docs.json":
             # BentoML's document, completed into the contract this guard enforces (capserve.serving.openapi)
             document = contract_response(
                 send, secured=bool(self.api_keys), input_shapes=self.input_shapes, max_bytes=self.max_bytes
             )
             return await self.app(scope, receive, document)
-        if scope["method"] == "GET" and path in self.get_routes:
-            # BentoML 1.4.40 routes every API as POST only (``ServiceAppFactory.__call__``'s ``methods=["POST"]``);
-            # a GET on a parameterless API is the same call with an empty JSON body. Fixed upstream once
+        if method == "GET" and path in self.get_routes:
+            # BentoML 1.4.40 routes every API as POST only (``ServiceAppFactory.routes``' ``methods=["POST"]``); a
+            # GET on a parameterless API is the same call with an empty JSON body. Fixed upstream once
             # ``@bentoml.api`` takes HTTP methods
-            headers = self._replace_headers(scope["headers"], "application/json", 2)
-            scope, receive = {**scope, "method": "POST", "headers": headers}, self._body_once(b"{}", receive)
-            return await self.app(scope, receive, send)
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            scope = {**scope, "method": "POST", "headers": replace_headers(scope["headers"], "application/json", 2)}
+            return await self.app(scope, body_once(b"{}", receive), send)
+        if method not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         if path in self.unavailable:
-            return await self._reply(send, 501, self.unavailable[path])
+            raise Refused(501, self.unavailable[path])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        try:
-            declared = int(headers.get("content-length", "0"))
-        except ValueError:
-            return await self._reply(send, 400, "Content-Length is not an integer")
-        if declared > self.max_bytes:
-            return await self._reply(send, 413, self._too_large(declared))
+        self._check_declared_length(headers)
         field = self.file_fields.get(path)
         media = headers.get("content-type", "").split(";")[0].strip().lower()
-        json_route = field is None and path in self.parameters and scope["method"] == "POST"
+        json_route = field is None and path in self.parameters and method == "POST"
         if json_route and media not in ("application/json", ""):
             # BentoML 1.4.40 would parse a multipart body without a boundary (500) or a pickle (its own 415) here;
             # fixed upstream when tests/serving/test_contract.py's test_json_routes_refuse_other_content_types
             # passes without this check
-            return await self._reply(
-                send, 415, f"Content-Type {media!r} is not accepted by {path}; send Content-Type: application/json"
-            )
+            raise Refused(415, f"Content-Type {media!r} is not accepted by {path}; send Content-Type: application/json")
         if field is None and not json_route and "content-length" in headers:
             return await self.app(scope, receive, send)  # within the limit: nothing to check or rewrite
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                return await self._reply(send, 413, self._too_large(size))
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        body = await self._read_body(receive)
+        if body is None:
+            return None  # the client went away
         if json_route:
-            # checked here, before BentoML: BentoML 1.4.40's batcher fails every request batched with a malformed
-            # tensor or one of another shape (500); fixed upstream when tests/serving/test_contract.py's
-            # test_malformed_pixels_amid_concurrent_good_ones_fail_alone passes without this check
-            body, problem = self._checked_json(path, body)
-            if problem:
-                return await self._reply(send, 400, problem)
-            headers_out = self._replace_headers(scope["headers"], "application/json", len(body))
-            return await self.app({**scope, "headers": headers_out}, self._body_once(body, receive), send)
-        if field is not None:
-            if maybe_image(media):
-                if not body:
-                    return await self._reply(send, 400, "the request body is empty; send an image")
-                try:
-                    parameters = self._query_parameters(scope.get("query_string", b""), field)
-                except ValueError as e:
-                    return await self._reply(send, 400, str(e))
-                images = [body]
-            elif media == "multipart/form-data":
-                parsed = await self._read_form(scope, body, field)
-                if isinstance(parsed[0], int):
-                    return await self._reply(send, *parsed)
-                parameters, images = parsed
-                # parameters may come in the query string as well (``curl -F image=@x.png '…/classify?top_k=1'``)
-                try:
-                    query = self._query_parameters(scope.get("query_string", b""), field)
-                except ValueError as e:
-                    return await self._reply(send, 400, str(e))
-                twice = sorted(name for name in query if name in parameters and query[name] != parameters[name])
-                if twice:
-                    return await self._reply(
-                        send,
-                        400,
-                        f"{', '.join(twice)}: given in the form and in the query "
-                        "string with different values; give it once",
-                    )
-                parameters = {**query, **parameters}
-            elif not body:
-                return await self._reply(
-                    send,
-                    400,
-                    f"the request body is empty; send an image as the multipart "
-                    f"file field {field!r} or as a raw image/* body",
-                )
-            else:
-                return await self._reply(
-                    send,
-                    415,
-                    f"Content-Type {media!r} is not accepted here; send "
-                    f"multipart/form-data with the file field {field!r}, or a raw "
-                    "image/* body",
-                )
-            known = self.parameters.get(path)
-            unknown = sorted(set(parameters) - known) if known is not None else []
-            if unknown:
-                return await self._reply(
-                    send,
-                    400,
-                    f"{', '.join(map(repr, unknown))}: not a parameter of "
-                    f"{path} (its parameters: "
-                    f"{', '.join(sorted(known - {field}))})",
-                )
-            uploads = {f"{UPLOAD_TOKEN}{i}": image for i, image in enumerate(images)}
-            _uploads.set(uploads)
-            tokens = list(uploads)
-            parameters[field] = tokens if field in self.list_fields else tokens[0]
-            body = json.dumps(parameters).encode()
-            scope = {**scope, "headers": self._replace_headers(scope["headers"], "application/json", len(body))}
-        return await self.app(scope, self._body_once(body, receive), send)
+            body = self._checked_json(path, body)
+        elif field is not None:
+            body = json.dumps(await self._image_parameters(scope, path, field, media, body)).encode()
+        else:
+            return await self.app(scope, body_once(body, receive), send)  # counted within the limit, as it came
+        scope = {**scope, "headers": replace_headers(scope["headers"], "application/json", len(body))}
+        return await self.app(scope, body_once(body, receive), send)
+
+    def _authorize(self, raw_headers: list) -> None:
+        """Refuse (401, with a ``WWW-Authenticate`` challenge) a request without one of the keys."""
+        reason = self._unauthorized(raw_headers)
+        if reason:
+            challenge = 'Bearer realm="capserve"' + (', error="invalid_token"' if reason == INVALID_KEY else "")
+            raise Refused(401, reason, [(b"www-authenticate", challenge.encode())])
 
     def _unauthorized(self, raw_headers: list) -> str | None:
         """Why a request may not call this server (None: it sent one of the keys as ``Authorization: Bearer``).
@@ -237,38 +191,100 @@ class RequestGuard:
         matched = False
         for key in self.api_keys:
             matched |= hmac.compare_digest(token, key)
-        return None if matched else "the API key is not valid"
+        return None if matched else INVALID_KEY
 
-    def _checked_json(self, path: str, body: bytes) -> tuple[bytes, str | None]:
-        """A JSON route's body (an empty one as ``{}``), or the reason it is refused: not a JSON object, a name that
-        is not a parameter of the route, or pixels that are not a uint8 (B, C, H, W) tensor of the model's shape."""
-        known = self.parameters.get(path, frozenset())
-        if not body.strip():
-            if not known:
-                return b"{}", None
-            return body, f"the request body is empty; send a JSON object with {', '.join(sorted(known))}"
+    def _check_declared_length(self, headers: Mapping[str, str]) -> None:
+        """Refuse a body whose ``Content-Length`` is not an integer (400) or over the limit (413), unread."""
         try:
-            data = json.loads(body)
-        except (ValueError, RecursionError) as e:
-            return body, f"the request body is not valid JSON: {e}"
-        if not isinstance(data, dict):
-            return body, f"the request body must be a JSON object (with {', '.join(sorted(known)) or 'no fields'})"
-        unknown = sorted(set(data) - known)
-        if unknown:
-            return body, (
-                f"{', '.join(map(repr, unknown))}: not a parameter of {path} (its parameters: "
-                f"{', '.join(sorted(known)) or 'none'})"
-            )
-        if path in self.array_routes:
-            if "images" not in data:
-                return body, "the JSON object has no 'images': send uint8 pixels (B, C, H, W) as nested arrays"
-            problem = pixels_problem(data["images"], self.input_shapes.get(path))
-            if problem:
-                return body, problem
-        return body, None
+            declared = int(headers.get("content-length", "0"))
+        except ValueError:
+            raise Refused(400, "Content-Length is not an integer") from None
+        if declared > self.max_bytes:
+            raise Refused(413, self._too_large(declared))
+
+    async def _read_body(self, receive: Any) -> bytes | None:
+        """The whole body, counted against the limit as it arrives (413 once over it: a chunked body declares no
+        length); None when the client disconnects first."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise Refused(413, self._too_large(size))
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
     def _too_large(self, size: int) -> str:
         return f"the request body is {size:,} bytes; the limit is {self.max_bytes:,} (CAPSERVE_MAX_BYTES)"
+
+    def _checked_json(self, path: str, body: bytes) -> bytes:
+        """A JSON route's body (an empty one as ``{}``), or ``Refused`` (400): not a JSON object, a name that is not
+        a parameter of the route, or pixels that are not a uint8 (B, C, H, W) tensor of the model's shape.
+
+        Pixels are checked here, before BentoML: BentoML 1.4.40's batcher fails every request batched with a
+        malformed tensor or one of another shape (500); fixed upstream when tests/serving/test_contract.py's
+        test_malformed_pixels_amid_concurrent_good_ones_fail_alone passes without this check."""
+        known = self.parameters.get(path, frozenset())
+        if not body.strip():
+            if not known:
+                return b"{}"
+            raise Refused(400, f"the request body is empty; send a JSON object with {', '.join(sorted(known))}")
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError) as e:
+            raise Refused(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            fields = ", ".join(sorted(known)) or "no fields"
+            raise Refused(400, f"the request body must be a JSON object (with {fields})")
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise Refused(400, not_a_parameter(unknown, path, known))
+        if path in self.array_routes:
+            if "images" not in data:
+                raise Refused(400, "the JSON object has no 'images': send uint8 pixels (B, C, H, W) as nested arrays")
+            problem = pixels_problem(data["images"], self.input_shapes.get(path))
+            if problem:
+                raise Refused(400, problem)
+        return body
+
+    async def _image_parameters(self, scope: dict, path: str, field: str, media: str, body: bytes) -> dict[str, Any]:
+        """An image route's parameters as BentoML receives them, from a raw image body or a multipart form and the
+        query string; each image is a token for its bytes (kept for ``guarded_upload``). ``Refused`` (400, 415) when
+        the body is empty, malformed or declared as something that is not an image."""
+        query = scope.get("query_string", b"")
+        if maybe_image(media):
+            if not body:
+                raise Refused(400, "the request body is empty; send an image")
+            parameters, images = query_parameters(query, field), [body]
+        elif media == "multipart/form-data":
+            parameters, images = await read_form(scope, body, field)
+            # parameters may come in the query string as well (``curl -F image=@x.png '…/classify?top_k=1'``)
+            parameters = with_query(parameters, query_parameters(query, field))
+        elif not body:
+            raise Refused(
+                400,
+                f"the request body is empty; send an image as the multipart file field {field!r} or as a raw image/* "
+                "body",
+            )
+        else:
+            raise Refused(
+                415,
+                f"Content-Type {media!r} is not accepted here; send multipart/form-data with the file field "
+                f"{field!r}, or a raw image/* body",
+            )
+        known = self.parameters.get(path)
+        unknown = sorted(set(parameters) - known) if known is not None else []
+        if unknown:
+            raise Refused(400, not_a_parameter(unknown, path, known - {field}))
+        uploads = {f"{UPLOAD_TOKEN}{i}": image for i, image in enumerate(images)}
+        _uploads.set(uploads)
+        tokens = list(uploads)
+        parameters[field] = tokens if field in self.list_fields else tokens[0]
+        return parameters
 
     @staticmethod
     async def _reply(send: Any, status: int, message: str, headers: list | None = None) -> None:
@@ -277,106 +293,8 @@ class RequestGuard:
         await send(start)
         await send(body)
 
-    @staticmethod
-    def _value(text: str | bytes) -> Any:
-        """A form field or query parameter as BentoML reads it: JSON when it parses (``5``, ``0.3``), else text."""
-        try:
-            return json.loads(text)
-        except ValueError:
-            return text.decode("utf-8", "replace") if isinstance(text, bytes) else text
 
-    @staticmethod
-    def _query_parameters(query_string: bytes, field: str) -> dict[str, Any]:
-        parameters = {}
-        for name, value in parse_qsl(query_string.decode("latin-1")):
-            if not name.isidentifier() or "\r" in value or "\n" in value:
-                raise ValueError(f"query parameter {name!r} is not a valid API parameter")
-            if name != field:
-                parameters[name] = RequestGuard._value(value)
-        return parameters
-
-    @staticmethod
-    def _replace_headers(raw: list, content_type: str, length: int) -> list:
-        kept = [(k, v) for k, v in raw if k.lower() not in (b"content-type", b"content-length")]
-        return [*kept, (b"content-type", content_type.encode()), (b"content-length", str(length).encode())]
-
-    @staticmethod
-    async def _read_form(scope: dict, body: bytes, field: str) -> tuple[int, str] | tuple[dict[str, Any], list[bytes]]:
-        """The form's other fields (as BentoML reads them) and the file field's images, or (status, message)."""
-        from starlette.datastructures import UploadFile
-        from starlette.requests import Request
-
-        request = Request({k: v for k, v in scope.items() if k != "app"}, RequestGuard._body_once(body))
-        try:
-            form = await request.form()
-        except Exception as e:  # starlette raises MultiPartException, or HTTPException when it knows the app
-            return 400, f"malformed multipart body: {getattr(e, 'detail', None) or getattr(e, 'message', None) or e}"
-        try:
-            values = form.getlist(field)
-            if not values:
-                return 400, (
-                    f"the multipart body has no file field {field!r} (it has: "
-                    f"{', '.join(sorted(set(form.keys()))) or 'nothing'})"
-                )
-            if not all(isinstance(v, UploadFile) for v in values):
-                return 400, f"the field {field!r} must be a file upload, not text"
-            for value in values:
-                part_type = (value.content_type or "").split(";")[0].strip().lower()
-                if not maybe_image(part_type):
-                    return 415, (
-                        f"the file part {field!r} is declared as {part_type!r}, not an image; send it as "
-                        "image/* (e.g. curl -F 'image=@cat.png;type=image/png'), application/octet-stream "
-                        "or without a Content-Type"
-                    )
-            images = [await value.read() for value in values]
-            parameters = {}
-            for name in form:
-                if name != field:
-                    value = form[name]
-                    parameters[name] = RequestGuard._value(
-                        await value.read() if isinstance(value, UploadFile) else value
-                    )
-        finally:
-            await form.close()
-        return parameters, images
-
-
-# what a client declares for a file it knows nothing about: curl for a name without a known extension, Python's
-# requests for a plain file tuple (no Content-Type at all); Pillow then decides from the bytes
-UNTYPED = ("application/octet-stream", "")
-
-
-def maybe_image(media: str) -> bool:
-    """Whether an upload declared as ``media`` (lower case, no parameters; "" when none) may hold an image, to be
-    decided by its bytes; False for a declared type that is not an image (the 415)."""
-    return media.startswith("image/") or media in UNTYPED
-
-
-_JSON_TYPES = {dict: "object", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
-
-
-def pixels_problem(images: Any, shape: tuple[int, ...] | None) -> str | None:
-    """Why ``images`` (a JSON value) is not uint8 pixels (B, C, H, W) with (C, H, W) = ``shape`` (None: any), or
-    None when it is."""
-    expected = f"(B, {', '.join(map(str, shape))})" if shape else "(B, C, H, W)"
-    what = f"images must be integer pixels in [0, 255] of shape {expected}"
-    if not isinstance(images, list):
-        return f"{what}, as nested JSON arrays; got a JSON {_JSON_TYPES.get(type(images), type(images).__name__)}"
-    try:
-        pixels = np.asarray(images)  # (B, C, H, W)
-    except (ValueError, TypeError, OverflowError, RecursionError):
-        return f"{what}; got nested arrays of different lengths"
-    if pixels.ndim != 4 or pixels.dtype == object:
-        return f"{what}; got {'ragged arrays' if pixels.dtype == object else f'{pixels.ndim} dimensions'}"
-    if pixels.size == 0:
-        return f"{what}; got shape {pixels.shape}, which holds no pixels"
-    if pixels.dtype.kind not in "iu":
-        return f"{what}; got {pixels.dtype} values"
-    if pixels.min() < 0 or pixels.max() > 255:
-        return f"{what}; got values in [{pixels.min()}, {pixels.max()}]"
-    if shape and pixels.shape[1:] != tuple(shape):
-        return f"{what}; got shape {pixels.shape}"
-    return None
+INVALID_KEY = "the API key is not valid"
 
 
 # The images of the current request, parsed by RequestGuard: token → bytes (the JSON BentoML receives names them).
