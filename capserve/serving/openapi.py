@@ -4,9 +4,12 @@ say their element type, range and shape, file fields say ``image/*``, answers ha
 ``capserve.pipeline.schemas`` and ``capserve.serving.schemas`` (BentoML's inline copies drop ``null``), and API
 keys appear as a bearer scheme.
 
-BentoML 1.4.40 writes OpenAPI 3.0 with JSON Schema 2020-12 pieces from pydantic (``type: null``, numeric
-``exclusiveMinimum``, ``type: file``) that 3.0 validators reject; ``openapi_3_0`` rewrites them. Fixed upstream when
-its ``/docs.json`` validates as OpenAPI 3.0 as it is (tests/serving/test_contract.py's fuzzer loads it)."""
+BentoML 1.4.40 cannot declare any of it: its ``generate_spec`` (``_bentoml_sdk.service.openapi``) gives every API the
+same 400, 404 and 500 of its own exception schemas, and ``@bentoml.api`` takes no responses, security scheme or
+schema for a parameter. It also writes OpenAPI 3.0 with JSON Schema 2020-12 pieces from pydantic (``type: null``,
+numeric ``exclusiveMinimum``, ``type: file``) that 3.0 validators reject; ``openapi_3_0`` rewrites them. Fixed
+upstream when its ``/docs.json`` validates as OpenAPI 3.0 as it is (tests/serving/test_contract.py's fuzzer loads
+it)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,19 @@ from capserve.pipeline.schemas import Classification, Explained, MultiLabel
 from capserve.serving.asgi import rewrite_response
 from capserve.serving.routes import ARRAY_ROUTES, OPEN_ROUTES
 from capserve.serving.schemas import ErrorBody, ServerDescription
+
+__all__ = [
+    "ANSWERS",
+    "IMAGE_PART_TYPES",
+    "ROUTE_STATUSES",
+    "STATUS_REASONS",
+    "contract",
+    "contract_response",
+    "openapi_3_0",
+    "pixels_schema",
+    "request_body",
+    "responses",
+]
 
 # status → what it means, for every route that can answer it (README "Errors" has the long form)
 STATUS_REASONS = {
@@ -38,8 +54,8 @@ STATUS_REASONS = {
 }
 
 
-# A file part's media types as OpenAPI 3.0 writes a list (encoding.contentType): what RequestGuard's ``maybe_image``
-# takes besides a part without one
+# A file part's media types as OpenAPI 3.0 writes a list (encoding.contentType): what
+# ``capserve.serving.bodies.maybe_image`` takes besides a part without one
 IMAGE_PART_TYPES = "image/*, application/octet-stream"
 
 
@@ -140,45 +156,8 @@ def contract(
         for operation in operations.values():
             if not isinstance(operation, dict) or "responses" not in operation:
                 continue
-            responses = {"200": operation["responses"].get("200", {"description": "Successful Response"})}
-            statuses = (*ROUTE_STATUSES.get(path, ()), 405, 500)
-            if secured and path not in OPEN_ROUTES:
-                statuses = (401, *statuses)
-            for status in sorted(statuses):
-                responses[str(status)] = {
-                    "description": STATUS_REASONS[status],
-                    "content": {"application/json": {"schema": error}},
-                }
-            if path in ANSWERS:
-                responses["200"] = {
-                    "description": "Successful Response",
-                    "content": {"application/json": {"schema": _schema(ANSWERS[path], definitions)}},
-                }
-            if path in ARRAY_ROUTES:
-                logits = {"type": "array", "items": {"type": "number"}, "description": "logits of one image"}
-                responses["200"] = {
-                    "description": "logits (B, classes), one row per image, in order",
-                    "content": {"application/json": {"schema": {"type": "array", "items": logits}}},
-                }
-                body = operation["requestBody"]["content"]["application/json"]["schema"]
-                body["properties"]["images"] = pixels_schema(input_shapes.get(path))
-            content = operation.get("requestBody", {}).get("content", {})
-            if "application/json" in content:  # RequestGuard refuses a name that is not a parameter of the route
-                content["application/json"]["schema"]["additionalProperties"] = False
-            form = content.get("multipart/form-data")
-            if form is not None:
-                for name, field in form["schema"]["properties"].items():
-                    if field.get("format") == "binary" or field.get("items", {}).get("format") == "binary":
-                        # RequestGuard takes these and lets Pillow decide from the bytes (IMAGE_PART_TYPES)
-                        form.setdefault("encoding", {})[name] = {"contentType": IMAGE_PART_TYPES}
-                        field["description"] = (
-                            "an image file (PNG, JPEG, BMP, GIF, WebP…) sent as image/*, "
-                            "application/octet-stream or without a Content-Type: Pillow decides "
-                            "from the bytes (400 when they are not an image); a part declared as "
-                            "another type is answered 415"
-                        )
-                form["schema"]["additionalProperties"] = False
-            operation["responses"] = responses
+            operation["responses"] = responses(path, operation, secured, error, definitions)
+            request_body(path, operation, input_shapes)
             if secured:
                 operation["security"] = [] if path in OPEN_ROUTES else [{"bearer": []}]
     if "/model" in paths and "post" in paths["/model"]:
@@ -192,6 +171,59 @@ def contract(
             "bearer": {"type": "http", "scheme": "bearer", "description": "one of the keys in CAPSERVE_API_KEYS"}
         }
     return document
+
+
+def responses(
+    path: str, operation: dict[str, Any], secured: bool, error: dict[str, Any], definitions: dict[str, Any]
+) -> dict[str, Any]:
+    """``path``'s answers: 200 with its schema (``ANSWERS``; logits for the pixel-tensor routes), and every error
+    status it can answer (``ROUTE_STATUSES``) with the ``{"error": "..."}`` body ``error``."""
+    answers = {"200": operation["responses"].get("200", {"description": "Successful Response"})}
+    statuses = (*ROUTE_STATUSES.get(path, ()), 405, 500)
+    if secured and path not in OPEN_ROUTES:
+        statuses = (401, *statuses)
+    for status in sorted(statuses):
+        answers[str(status)] = {
+            "description": STATUS_REASONS[status],
+            "content": {"application/json": {"schema": error}},
+        }
+    if path in ANSWERS:
+        answers["200"] = {
+            "description": "Successful Response",
+            "content": {"application/json": {"schema": _schema(ANSWERS[path], definitions)}},
+        }
+    if path in ARRAY_ROUTES:
+        logits = {"type": "array", "items": {"type": "number"}, "description": "logits of one image"}
+        answers["200"] = {
+            "description": "logits (B, classes), one row per image, in order",
+            "content": {"application/json": {"schema": {"type": "array", "items": logits}}},
+        }
+    return answers
+
+
+def request_body(path: str, operation: dict[str, Any], input_shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Complete ``operation``'s request body in place as RequestGuard takes it: pixel tensors of the model's shape,
+    file parts of ``IMAGE_PART_TYPES``, no name that is not a parameter of the route."""
+    if path in ARRAY_ROUTES:
+        body = operation["requestBody"]["content"]["application/json"]["schema"]
+        body["properties"]["images"] = pixels_schema(input_shapes.get(path))
+    content = operation.get("requestBody", {}).get("content", {})
+    if "application/json" in content:  # RequestGuard refuses a name that is not a parameter of the route
+        content["application/json"]["schema"]["additionalProperties"] = False
+    form = content.get("multipart/form-data")
+    if form is None:
+        return
+    for name, field in form["schema"]["properties"].items():
+        if field.get("format") == "binary" or field.get("items", {}).get("format") == "binary":
+            # RequestGuard takes these and lets Pillow decide from the bytes (IMAGE_PART_TYPES)
+            form.setdefault("encoding", {})[name] = {"contentType": IMAGE_PART_TYPES}
+            field["description"] = (
+                "an image file (PNG, JPEG, BMP, GIF, WebP…) sent as image/*, "
+                "application/octet-stream or without a Content-Type: Pillow decides "
+                "from the bytes (400 when they are not an image); a part declared as "
+                "another type is answered 415"
+            )
+    form["schema"]["additionalProperties"] = False
 
 
 def contract_response(send: Any, secured: bool, input_shapes: Mapping[str, tuple[int, ...]], max_bytes: int) -> Any:
