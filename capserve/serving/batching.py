@@ -1,5 +1,10 @@
 """Adaptive batching of single-image requests: the ONNX Runtime session the batches run on, BentoML's batching
-engine around it (``Batcher``), lone-request options and the batch-size metric."""
+engine around it (``Batcher``), lone-request options and the batch-size metric.
+
+The engine is BentoML's own (``CorkDispatcher``). What BentoML 1.4.40 cannot do around it: a batchable API takes
+pixel tensors, not uploads, and its in-process client to one loses responses under concurrency (``Batcher``); its
+batch-time fit is tilted by one slow batch (``refit_batch_times``); and a batch runs on whatever the API runs,
+never a session of its own with the cores split (``batch_runtime``)."""
 
 from __future__ import annotations
 
@@ -14,6 +19,19 @@ import numpy as np
 from capserve.hardware import available_cores
 from capserve.runtime import Runtime, load_runtime
 from capserve.serving.settings import Settings
+
+__all__ = [
+    "BATCHES_IN_FLIGHT",
+    "ENDPOINTS",
+    "INLINE_DECODE_BYTES",
+    "INLINE_DECODE_PIXELS",
+    "SHED_LOG_SECONDS",
+    "Batcher",
+    "batch_runtime",
+    "batch_size_histogram",
+    "batches_for",
+    "refit_batch_times",
+]
 
 log = logging.getLogger("capserve.service")
 

@@ -3,6 +3,9 @@
 It checks the model and settings first (a mistake is one line and exit status 2, before any server starts), then
 replaces itself with the real ``bentoml serve capserve.serving.service:CapsuleService``: the same service as ``make
 serve``, its exit status (3 when a model cannot load) and signals (Ctrl-C, SIGTERM) passing straight through.
+
+``bentoml serve`` alone cannot: it takes a service import path, not a model, and finds a bad setting or a missing
+model only once its process manager and workers have started.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import sys
 from collections.abc import Mapping
 
 from capserve.errors import ConfigurationError, UsageError
+
+__all__ = ["SERVICE", "add_arguments", "check", "command", "run", "server_environment"]
 
 SERVICE = "capserve.serving.service:CapsuleService"
 

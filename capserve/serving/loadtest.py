@@ -3,6 +3,8 @@
 ``load``: httpx's async client on keep-alive connections, at most ``concurrency`` requests in flight, each client
 sending its next request as soon as its last one is answered. ``running_server``: ``bentoml serve`` of capserve's
 service with a given environment, ready and then stopped whole (its workers too).
+
+BentoML 1.4.40 ships no load generator; its server is started here as ``capserve serve`` starts it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,12 @@
 """The server process's start-up rules: the service module's import-time work (``setup_server``), exit status 3
 when a model cannot load (signalled from the worker to the server that spawned it), its own Prometheus folder,
-quiet 4xx logs, and the start-up heap frozen out of the GC."""
+quiet 4xx logs, and the start-up heap frozen out of the GC.
+
+Each is a rule BentoML 1.4.40 has otherwise, named with the function that changes it: a worker that cannot start
+is respawned forever, or the server exits 0 (``report_failed_start``); a bad setting is a traceback and status 1
+(``settings_or_exit``); every ``bentoml serve`` empties one shared Prometheus folder (``prepare_server_process``);
+every 4xx is logged with a traceback (``QuietClientErrors``); every request is traced with no exporter to send to
+(``untraced_without_exporter``); and it has no worker-start count or heap freeze to configure."""
 
 from __future__ import annotations
 
@@ -23,6 +29,22 @@ from capserve.serving.routes import FILE_FIELDS, LIST_FIELDS, route_parameters, 
 from capserve.serving.settings import Settings, bento_environment
 from capserve.serving.tuned import apply_tuned
 from capserve.serving.workers import Worker, assign, current_index, worker_count
+
+__all__ = [
+    "FAILED_START_EXIT_CODE",
+    "FAILED_START_SIGNAL",
+    "SERVER_PID_VARIABLE",
+    "ServerSetup",
+    "count_worker_start",
+    "freeze_startup_heap",
+    "leave_failed_worker",
+    "prepare_server_process",
+    "report_failed_start",
+    "settings_or_exit",
+    "setup_server",
+    "untraced_without_exporter",
+    "workers_or_exit",
+]
 
 # ---------------------------------------------------------------------------- the server process
 

@@ -1,4 +1,8 @@
-"""``Settings``: every ``CAPSERVE_*`` environment variable the service reads, parsed and checked once."""
+"""``Settings``: every ``CAPSERVE_*`` environment variable the service reads, parsed and checked once.
+
+BentoML 1.4.40's configuration (``services.*``, ``BENTOML_CONFIG``) covers its own server only: workers, traffic,
+logging, metrics, never a model, backend, precision or capserve's limits. What BentoML does take from capserve
+(workers, batching limits, the access log) is passed to its decorators from these settings at import."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from capserve.data.images import DEFAULT_MAX_PIXELS
 from capserve.errors import ConfigurationError
 from capserve.runtime import BACKENDS
 from capserve.runtime.precision import BF16_MIN_AGREEMENT, PRECISIONS
+
+__all__ = ["API_KEYS_FORMAT", "DEFAULT_WORKERS", "Settings", "api_keys", "bento_environment"]
 
 # CAPSERVE_WORKERS's default: "auto" (capserve.serving.workers.worker_count: the tuned file's, else one on a CPU);
 # docs/deploy.md ("Workers") has what was measured

@@ -6,6 +6,8 @@ file is ``tuned.json`` in the single-label model's folder (``CAPSERVE_MODEL``; i
 and so into a bento), or the file ``CAPSERVE_TUNED`` names (``none``: no file). A file measured on another CPU is
 ignored with one log line: its choices were never measured here. ``Settings.sources`` says where each choice came
 from, and ``GET /model`` reports it (``choices``).
+
+BentoML 1.4.40 has no such file: its configuration is taken as given, never measured or tied to a CPU.
 """
 
 from __future__ import annotations

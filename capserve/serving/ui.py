@@ -2,7 +2,10 @@
 style inline and the bundled examples (``ui/examples/*.png``) inlined as data URLs, served by ``PageApp``, an ASGI
 app the service mounts. The page calls the API as any client does (``/model``, ``/classify``, ``/multilabel``,
 ``/explain``), so it has the API's limits, keys and error messages; it loads nothing from anywhere else, and its
-Content-Security-Policy header forbids it to."""
+Content-Security-Policy header forbids it to.
+
+BentoML 1.4.40 serves only its generic page of the APIs at ``/`` (Swagger UI, or a form per API), none of a
+service's own: the page is an ASGI app the service mounts with BentoML's ``mount_asgi_app``."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from importlib import resources
 from typing import Any
 
 from capserve.serving.guard import json_response
+
+__all__ = ["CONTENT_SECURITY_POLICY", "EXAMPLES_MARKER", "PageApp", "page_html"]
 
 # Everything the page needs is inline or from this server; nothing else may load (no CDN, font or tracker).
 CONTENT_SECURITY_POLICY = (

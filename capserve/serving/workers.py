@@ -3,6 +3,11 @@
 BentoML runs ``workers`` copies of the service, each its own process with its own event loop, models and sessions.
 Each is told its share here: on GPUs, worker k serves on visible GPU k (round robin when there are more workers than
 GPUs); on CPUs the cores are split, so that N workers never run more inference threads than there are cores.
+
+BentoML 1.4.40 cannot decide either: its ``workers`` is a number or ``cpu_count`` (one per core), never one per GPU;
+``resources={"gpu": N}`` gives every worker the same ``CUDA_VISIBLE_DEVICES`` (``_bentoml_impl.server.allocator``);
+and its ``threads`` bounds the thread pool of synchronous APIs, not a runtime's intra-op threads. The number decided
+here is what the service passes to BentoML as ``workers``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from dataclasses import dataclass
 from capserve.errors import ConfigurationError
 from capserve.hardware import available_cores
 from capserve.serving.settings import Settings
+
+__all__ = ["AUTO_CPU_WORKERS", "Worker", "assign", "current_index", "on_gpu", "visible_gpus", "worker_count"]
 
 # What CAPSERVE_WORKERS=auto (the default) starts on a CPU without a tuned file measured there: one worker, with
 # every core. More workers are not safe unmeasured: BentoML's workers share one listening socket, keep-alive
