@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +57,7 @@ __all__ = [
     "measure_server",
     "run",
     "runtime_candidates",
+    "table_of",
     "tune",
 ]
 
@@ -399,7 +401,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("capserve tune needs BentoML: pip install 'capserve[serve]' (or capserve[gpu])")
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from capserve.model.checkpoint import read_config
 
@@ -430,11 +431,24 @@ def run(args: argparse.Namespace) -> int:
                     console.print(f"{number}. {candidate.label()} ({spent:.0f} s of {args.budget:g} s spent)")
 
             tuning = tune(folder, args.budget, measure, cpu=cpu, gpus=gpus, progress=started)
-    table = Table(title=f"capserve tune {args.model}: /classify on {cpu.describe()}")
+    console.print(table_of(tuning, f"capserve tune {args.model}: /classify on {cpu.describe()}"))
+    if tuning.skipped:
+        console.print(f"not measured within --budget {args.budget:g}: " + "; ".join(c.label() for c in tuning.skipped))
+    write_tuned(tuning.record(tuning.chosen.candidate.device), out)
+    serve = f"capserve serve {args.model}" + (f" with {TUNED_VARIABLE}={out}" if args.out else "")
+    console.print(f"chosen: {tuning.chosen.candidate.label()}; written to {out} ({serve} reads it on this CPU)")
+    return 0
+
+
+def table_of(tuning: Tuning, title: str) -> Any:
+    """``tuning``'s measurements as a rich table, the chosen one and the fastest marked."""
+    from rich.table import Table
+
+    table = Table(title=title)
     for heading in ("runtime", "workers", "threads", "batch", "req/s at 32", "p50 ms at 32", "p50 ms at 1", "errors"):
         table.add_column(heading, justify="left" if heading == "runtime" else "right")
     table.add_column("")
-    best = choose(tuning.measurements, cpu.cores, tie=0.0)
+    best = choose(tuning.measurements, tuning.cpu.cores, tie=0.0)
     for m in tuning.measurements:
         c = m.candidate
         runtime = c.runtime + (f" ({c.artifact})" if c.artifact else "")
@@ -445,10 +459,4 @@ def run(args: argparse.Namespace) -> int:
         mark = "chosen" if m is tuning.chosen else ("fastest" if m is best else "")
         figures = (f"{m.requests_per_s:.1f}", f"{m.p50_ms:.1f}", f"{m.p50_one_ms:.1f}", str(m.errors))
         table.add_row(*head, *figures, mark)
-    console.print(table)
-    if tuning.skipped:
-        console.print(f"not measured within --budget {args.budget:g}: " + "; ".join(c.label() for c in tuning.skipped))
-    write_tuned(tuning.record(tuning.chosen.candidate.device), out)
-    serve = f"capserve serve {args.model}" + (f" with {TUNED_VARIABLE}={out}" if args.out else "")
-    console.print(f"chosen: {tuning.chosen.candidate.label()}; written to {out} ({serve} reads it on this CPU)")
-    return 0
+    return table
