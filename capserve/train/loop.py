@@ -3,7 +3,8 @@
 The best epoch is chosen on a validation split carved from the training set, never on the test set, which is
 evaluated once at the end on ``best/``. A run folder holds ``last/`` (model, optimizer and trainer state: what
 ``--resume`` continues from), ``best/`` (a plain model directory), ``metrics.jsonl``, ``curves.png`` and
-``summary.json``. The recipe's defaults live in ``capserve.train.config``; docs/training.md is the manual.
+``summary.json``. Every choice the data decides is made before the loop starts (``capserve.train.plan``); the
+recipe's defaults live in ``capserve.train.config``; docs/training.md is the manual.
 """
 
 from __future__ import annotations
