@@ -35,7 +35,8 @@ import torch
 from battery_data import BATTERY, build
 from torch import nn
 
-from capserve.data.own import InputSize, build_cache, scan, with_validation
+from capserve.data.cache import build_cache
+from capserve.data.own import InputSize, scan, with_validation
 from capserve.data.preprocess import data_mean_std
 from capserve.hardware import cpu_info
 from capserve.runtime.outputs import multi_label_decisions

@@ -3,7 +3,7 @@
     python benchmarks/bench_data.py --cifar data/ --images 10000 --steps 30
 
 1. Writes ``--images`` CIFAR-10 training pictures (32×32) as PNG files into label folders (``DIR/<label>/*.png``).
-2. Builds the uint8 cache from them (``capserve.data.own.build_cache``: decode through ``capserve.data.images``, the
+2. Builds the uint8 cache from them (``capserve.data.cache.build_cache``: decode through ``capserve.data.images``, the
    service's preprocessing) and reports images/s; then reads the cache back (the path a second run takes).
 3. Trains ``--model`` for ``--steps`` steps (batch ``--batch-size``) from the folder (the cache; the first run
    builds it, the later ones reuse it) and from the built-in CIFAR-10 tensors, interleaved ``--repeats`` times
@@ -30,7 +30,8 @@ from PIL import Image
 
 from capserve.configs import CIFAR10_LABELS
 from capserve.data.builtin import load_cifar10
-from capserve.data.own import CACHE_FILE, InputSize, build_cache, scan
+from capserve.data.cache import CACHE_FILE, build_cache
+from capserve.data.own import InputSize, scan
 from capserve.data.splits import Split
 from capserve.hardware import cpu_info
 from capserve.train.config import TrainConfig

@@ -1,6 +1,7 @@
 """Data: the built-in datasets (CIFAR-10/100, MNIST, DiverseMultiMNIST), a user's own folders and CSVs, image
 decoding and normalisation, and augmentation. Everything is uint8 tensors in memory; ``normalize`` makes the
-network's input. The modules: ``builtin``, ``own``, ``images``, ``preprocess``, ``augment``, ``splits``."""
+network's input. The modules: ``builtin``, ``own``, ``cache``, ``images``, ``preprocess``, ``augment``,
+``splits``."""
 
 from __future__ import annotations
 

@@ -3,16 +3,13 @@
 ``scan`` reads the layout into a ``Manifest`` (docs/own-data.md has the layouts); ``carve`` draws the validation
 split from the file list, so training, ``capserve evaluate --split val`` and INT8 calibration all see the same
 split. Images are decoded by ``capserve.data.images.load_image``, the service's own path for an upload, so a served
-image is prepared exactly as its training images were. ``build_cache`` keeps the decoded splits in one safetensors
-file keyed by a fingerprint of the files, labels, splits and input size: unchanged data is never decoded twice. Bad
-files are skipped and counted; more than ``MAX_FAILED_FRACTION`` of them stops the run (``DataError``).
+image is prepared exactly as its training images were (``capserve.data.cache`` keeps them decoded). Bad files are
+skipped and counted; more than ``MAX_FAILED_FRACTION`` of them stops the run (``DataError``).
 """
 
 from __future__ import annotations
 
 import csv
-import hashlib
-import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -24,8 +21,6 @@ from typing import Literal
 import numpy as np
 import torch
 from PIL import Image
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from capserve.data.builtin import has_builtin_files
@@ -33,6 +28,31 @@ from capserve.data.images import IMAGE_SUFFIXES, ImageError, InputSpec, load_ima
 from capserve.data.progress import progress_bar
 from capserve.data.splits import Split, resolve_val_size
 from capserve.errors import DataError
+
+__all__ = [
+    "MAX_FAILED_FRACTION",
+    "MAX_PIXELS",
+    "SPLITS",
+    "FailureLog",
+    "InputSize",
+    "Manifest",
+    "Sample",
+    "carve",
+    "check_data_exists",
+    "check_labels",
+    "check_training",
+    "decode_all",
+    "decode_split",
+    "draw",
+    "is_own_data",
+    "iter_decoded",
+    "scan",
+    "scan_csv",
+    "scan_folder",
+    "split_labels",
+    "targets_for",
+    "with_validation",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +67,6 @@ MAX_FAILED_FRACTION = 0.01  # more failing files than this stops the run
 
 
 VAL_SEED = 0
-
-
-CACHE_FILE = "data-cache.safetensors"
-
-
-CACHE_FORMAT = 1  # bump when the cache layout or the preprocessing changes
 
 
 SHOWN_FAILURES = 20  # paths listed in a stopping error
@@ -444,75 +458,3 @@ def decode_split(
     """Every readable image of ``samples`` as a ``Split`` (images (N, C, H, W) uint8 and targets)."""
     images, kept = decode_all(samples, spec, failures, desc)
     return Split(torch.from_numpy(images), targets_for([samples[i] for i in kept], labels, multi_label))
-
-
-# ------------------------------------------------------------------------------------------------ the cache
-
-
-def fingerprint(manifest: Manifest, labels: Sequence[str], spec: InputSize) -> str:
-    """A hash of everything the cache depends on: files (path, size, mtime), labels, splits, input size."""
-    h = hashlib.sha256()
-    head = {
-        "format": CACHE_FORMAT,
-        "labels": list(labels),
-        "task": manifest.task,
-        "channels": spec.in_channels,
-        "size": spec.image_size,
-    }
-    h.update(json.dumps(head).encode())
-    for split in SPLITS:
-        for s in manifest.splits.get(split, []):
-            try:
-                st = s.path.stat()
-                stamp = f"{st.st_size}:{st.st_mtime_ns}"
-            except OSError:
-                stamp = "missing"
-            h.update(f"\n{split}\t{s.path}\t{stamp}\t{json.dumps(s.labels)}".encode())  # "a b" ≠ ("a", "b")
-    return h.hexdigest()
-
-
-@dataclass
-class OwnData:
-    """Decoded splits of a user's data (``val``/``test`` None when absent) and how many files were skipped."""
-
-    labels: tuple[str, ...]
-    task: Literal["single_label", "multi_label"]
-    splits: dict[str, Split]
-    skipped: int
-    from_cache: bool
-
-
-def build_cache(manifest: Manifest, labels: Sequence[str], spec: InputSize, cache: Path | None) -> OwnData:
-    """Decode every split once (or read ``cache`` when its fingerprint matches) into uint8 tensors."""
-    key = fingerprint(manifest, labels, spec)
-    multi = manifest.task == "multi_label"
-    names = [s for s in SPLITS if manifest.splits.get(s)]
-    if cache is not None and cache.is_file():
-        try:
-            with safe_open(str(cache), "pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("fingerprint") == key:
-                    splits = {s: Split(f.get_tensor(f"{s}.images"), f.get_tensor(f"{s}.targets")) for s in names}
-                    log.info(
-                        "decoded images reused from %s (%s)",
-                        cache,
-                        ", ".join(f"{s} {len(v)}" for s, v in splits.items()),
-                    )
-                    return OwnData(tuple(labels), manifest.task, splits, int(meta.get("skipped", 0)), True)
-            log.info("data changed since %s was built: decoding again", cache)
-        except (SafetensorError, OSError, KeyError, AssertionError) as e:
-            log.warning("ignoring unreadable cache %s (%s): decoding again", cache, e)
-    failures = FailureLog(sum(len(manifest.splits[s]) for s in names), manifest.source)
-    splits = {s: decode_split(manifest.splits[s], labels, multi, spec, failures, f"decoding {s}") for s in names}
-    failures.check()
-    if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {f"{s}.{k}": getattr(v, k).contiguous() for s, v in splits.items() for k in ("images", "targets")}
-        tmp = cache.with_name(cache.name + ".tmp")
-        save_file(
-            tensors,
-            str(tmp),
-            metadata={"fingerprint": key, "skipped": str(len(failures.failures)), "source": str(manifest.source)},
-        )
-        tmp.replace(cache)
-    return OwnData(tuple(labels), manifest.task, splits, len(failures.failures), False)

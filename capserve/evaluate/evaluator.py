@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from capserve.data.progress import progress_bar
 from capserve.data.splits import Split
 from capserve.errors import DataError
 from capserve.evaluate.metrics import fit_thresholds, metrics
-from capserve.model.checkpoint import CONFIG, save_model
+from capserve.model.checkpoint import update_config
 from capserve.model.factory import Model, load
 from capserve.routing.fused import without_fused_kernel
 
@@ -143,9 +142,7 @@ def evaluate_own(
 def store_thresholds(checkpoint: Path, model: Model, thresholds: Sequence[float]) -> None:
     """Write per-class thresholds into the checkpoint's config.json, keeping its other entries."""
     model.config = dataclasses.replace(model.config, thresholds=tuple(thresholds))
-    payload = json.loads((checkpoint / CONFIG).read_text())
-    extra = {k: v for k, v in payload.items() if k not in ("format_version", "config")}
-    save_model(model, checkpoint, extra=extra)
+    update_config(checkpoint, model.config)
 
 
 def calibrate(

@@ -17,7 +17,7 @@ from typing import Any
 
 from capserve.errors import ExportError
 from capserve.hashing import file_sha256
-from capserve.model.checkpoint import CONFIG, WEIGHTS, read_config
+from capserve.model.checkpoint import CONFIG, WEIGHTS, read_config, read_extra
 from capserve.runtime.metadata import METADATA_KEY
 
 from .onnx import read_metadata
@@ -42,7 +42,7 @@ def _onnx_weights_sha256(path: Path) -> str:
 def store_labels_and_metadata(directory: Path) -> tuple[dict[str, str], dict[str, Any]]:
     """BentoML labels (task, dataset, config name) and metadata (iterations, weights hash, metrics when known)."""
     config = read_config(directory)
-    saved = json.loads((directory / CONFIG).read_text())
+    saved = read_extra(directory)
     labels = {"task": config.task, "dataset": config.name.split("-")[0], "config": config.name}
     import capserve
 

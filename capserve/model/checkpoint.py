@@ -14,7 +14,21 @@ from torch import Tensor, nn
 from capserve.configs import ModelConfig
 from capserve.errors import CheckpointError
 from capserve.files import partial_file, write_whole
-from capserve.hashing import file_sha256  # noqa: F401  (re-exported: the weights' digest)
+from capserve.hashing import file_sha256  # re-exported: the weights' digest
+
+__all__ = [
+    "CONFIG",
+    "FORMAT_VERSION",
+    "NOT_LEARNED",
+    "WEIGHTS",
+    "file_sha256",
+    "not_learned_warning",
+    "read_config",
+    "read_extra",
+    "save_model",
+    "save_tensors",
+    "update_config",
+]
 
 log = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
@@ -31,11 +45,59 @@ def save_model(model: nn.Module, directory: str | Path, extra: dict[str, Any] | 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    payload = {"format_version": FORMAT_VERSION, "config": model.config.to_dict(), **(extra or {})}
     with partial_file(directory / WEIGHTS) as partial:
         save_tensors(state, partial, metadata={"format": "pt"})
-    write_whole(directory / CONFIG, json.dumps(payload, indent=2) + "\n")
+    _write_payload(directory, model.config, extra or {})
     return directory
+
+
+def _write_payload(directory: Path, config: ModelConfig, extra: dict[str, Any]) -> None:
+    """The one writer of ``config.json``: whole or not at all (``write_whole``), so that a full disk or a kill
+    mid-write leaves the old file loadable."""
+    payload = {"format_version": FORMAT_VERSION, "config": config.to_dict(), **extra}
+    write_whole(directory / CONFIG, json.dumps(payload, indent=2) + "\n")
+
+
+def _read_payload(directory: str | Path) -> dict[str, Any]:
+    """The one reader of ``config.json``: its whole JSON object (``CheckpointError`` when it is missing or no
+    capserve config)."""
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} not found: a model directory holds {CONFIG} and {WEIGHTS} "
+            "(written by model.save(dir) or `capserve train`)"
+        )
+    try:
+        payload = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not a valid capserve config: {e}") from e
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{path} is not a valid capserve config: not a JSON object")
+    if payload.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format_version {payload.get('format_version')!r} is not "
+            f"{FORMAT_VERSION}; re-save it with this capserve version"
+        )
+    return payload
+
+
+def read_extra(directory: str | Path) -> dict[str, Any]:
+    """What a model directory's ``config.json`` records beside the model config: ``training`` (the run's recipe
+    and counters), ``metrics`` and the like."""
+    return {k: v for k, v in _read_payload(directory).items() if k not in ("format_version", "config")}
+
+
+def update_config(
+    directory: str | Path, config: ModelConfig | None = None, training: dict[str, Any] | None = None
+) -> None:
+    """Rewrite a model directory's ``config.json`` (its weights untouched): ``config`` in place of its model config
+    (e.g. calibrated thresholds), ``training``'s entries merged into its ``training`` record; every other entry
+    kept."""
+    directory = Path(directory)
+    extra = read_extra(directory)
+    if training:
+        extra["training"] = {**(extra.get("training") or {}), **training}
+    _write_payload(directory, config if config is not None else read_config(directory), extra)
 
 
 def save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -50,33 +112,19 @@ def save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str
 
 def read_config(directory: str | Path) -> ModelConfig:
     """The ``ModelConfig`` stored in a model directory."""
-    path = Path(directory) / CONFIG
-    if not path.is_file():
-        raise CheckpointError(
-            f"{path} not found: a model directory holds {CONFIG} and {WEIGHTS} "
-            "(written by model.save(dir) or `capserve train`)"
-        )
+    payload = _read_payload(directory)
     try:
-        payload = json.loads(path.read_text())
-        if payload.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{path}: format_version {payload.get('format_version')!r} is not "
-                f"{FORMAT_VERSION}; re-save it with this capserve version"
-            )
         return ModelConfig.from_dict(payload["config"])
-    except CheckpointError:
-        raise
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path} is not a valid capserve config: {e}") from e
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{Path(directory) / CONFIG} is not a valid capserve config: {e}") from e
 
 
 def not_learned_warning(directory: str | Path) -> str | None:
     """A warning for a model folder whose training run did not beat the label prior (``"training": {"learned":
     false}`` in its config.json, written by ``capserve train``); None for any other folder."""
-    path = Path(directory) / CONFIG
     try:
-        training = json.loads(path.read_text()).get("training") or {}
-    except (OSError, json.JSONDecodeError, AttributeError):
+        training = read_extra(directory).get("training") or {}
+    except (OSError, CheckpointError):
         return None
     if not isinstance(training, dict) or training.get(NOT_LEARNED) is not False:
         return None

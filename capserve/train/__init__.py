@@ -1,5 +1,6 @@
-"""Training: ``TrainConfig`` (``config``), the loop (``loop.train``), resumable state and ``--init`` (``state``),
-DDP (``distributed``) and the command line (``cli``)."""
+"""Training: ``TrainConfig`` (``config``), every data-derived choice made once (``plan``), the loop
+(``loop.train``), the verdict on learning (``verdict``), resumable state and ``--init`` (``state``), DDP
+(``distributed``) and the command line (``cli``)."""
 
 from __future__ import annotations
 

@@ -17,6 +17,8 @@ from capserve.train.config import AMP, FREEZE, OPTIMIZERS, SCHEDULES, TrainConfi
 from capserve.train.loop import train
 from capserve.train.state import init_architecture, parse_label_map
 
+__all__ = ["DEFAULT_OWN_MODEL", "add_arguments", "run"]
+
 # ------------------------------------------------------------------------------------------------- CLI
 
 # the model of a run on your own images without --model: a small capsule network that trains on a CPU
@@ -37,6 +39,14 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``capserve train``'s flags, in the order ``--help`` lists them."""
+    _add_model_and_data(p)
+    _add_recipe(p)
+    _add_run_controls(p)
+
+
+def _add_model_and_data(p: argparse.ArgumentParser) -> None:
+    """What is trained on what, and where it goes."""
     p.add_argument(
         "--model",
         help=f"model name: {', '.join(list_models())} (default with --init: its model's; for "
@@ -86,6 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="output folder (checkpoints, metrics, plot)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model config override (JSON)")
     p.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR (its last/ checkpoint)")
+
+
+def _add_recipe(p: argparse.ArgumentParser) -> None:
+    """How long and how it learns: epochs, batch, optimizer, lr, weight decay and schedule."""
     p.add_argument("--epochs", type=int, default=350)
     p.add_argument(
         "--batch-size",
@@ -113,6 +127,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=SCHEDULES,
         help="lr schedule (default: step for CIFAR and DiverseMultiMNIST, onecycle for your own images)",
     )
+
+
+def _add_run_controls(p: argparse.ArgumentParser) -> None:
+    """Precision, limits, validation and test, seed and device."""
     p.add_argument("--amp", choices=tuple(AMP), default="off", help="autocast dtype (bf16 works on CPU too)")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop cleanly after this much training")

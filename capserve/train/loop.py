@@ -3,15 +3,14 @@
 The best epoch is chosen on a validation split carved from the training set, never on the test set, which is
 evaluated once at the end on ``best/``. A run folder holds ``last/`` (model, optimizer and trainer state: what
 ``--resume`` continues from), ``best/`` (a plain model directory), ``metrics.jsonl``, ``curves.png`` and
-``summary.json``. The recipe's defaults live in ``capserve.train.config``; docs/training.md is the manual.
+``summary.json``. Every choice the data decides is made before the loop starts (``capserve.train.plan``); the
+recipe's defaults live in ``capserve.train.config``; docs/training.md is the manual.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -22,36 +21,38 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from capserve.configs import ModelConfig, get_config
-from capserve.data.augment import apply_augment, augment_reason, default_augment
-from capserve.data.builtin import Data, dataset_for, load_test, load_training
-from capserve.data.own import (
-    CACHE_FILE,
-    InputSize,
-    Manifest,
-    build_cache,
-    check_data_exists,
-    check_training,
-    is_own_data,
-    scan,
-    with_validation,
-)
-from capserve.data.placement import measure_placement
-from capserve.data.preprocess import data_mean_std, normalize
+from capserve.configs import ModelConfig
+from capserve.data.augment import apply_augment
+from capserve.data.builtin import Data, load_test
+from capserve.data.preprocess import normalize
 from capserve.data.progress import progress_bar
 from capserve.data.splits import Split
 from capserve.evaluate.evaluator import predict_logits, store_thresholds
 from capserve.evaluate.metrics import fit_thresholds
 from capserve.evaluate.plots import plot_curves
 from capserve.files import replacing_directory, write_whole
-from capserve.model.checkpoint import CONFIG, NOT_LEARNED, save_model
-from capserve.model.factory import Model, build_model
+from capserve.model.checkpoint import save_model
+from capserve.model.factory import Model
 from capserve.model.factory import load as load_model
 from capserve.routing.losses import training_loss
 from capserve.runtime.outputs import multi_label_decisions
-from capserve.train.config import AMP, DEFAULT_LR, DEFAULT_VAL_SIZE, TrainConfig, lr_factor, resolve_recipe
+from capserve.train.config import AMP, TrainConfig, lr_factor
 from capserve.train.distributed import Dist, setup_distributed
+from capserve.train.plan import Plan, plan_run
 from capserve.train.state import init_from, load_state, provenance, save_state
+from capserve.train.verdict import check_learned
+
+__all__ = [
+    "Run",
+    "calibrate_best",
+    "drop_unsaved_epochs",
+    "improves",
+    "loss_and_hits",
+    "make_optimizer",
+    "set_up",
+    "train",
+    "validate",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,103 +88,6 @@ def improves(acc: float, loss: float | None, best_acc: float | None, best_loss: 
     if best_acc is None or acc > best_acc:
         return True
     return acc == best_acc and loss is not None and (best_loss is None or loss < best_loss)
-
-
-def prior_score(train_targets: Tensor, val_targets: Tensor) -> tuple[float, str]:
-    """The validation score of always answering the training split's most common label (or, multi-label, its most
-    common label set): what a model that learned nothing from the images reaches. (score, that answer's index)."""
-    if train_targets.ndim == 2:  # multi-hot (N, C)
-        sets, counts = torch.unique(train_targets.cpu() > 0.5, dim=0, return_counts=True)
-        common = sets[counts.argmax()]  # (C,)
-        score = ((val_targets.cpu() > 0.5) == common).all(dim=1).float().mean().item()
-        return score, ",".join(str(i) for i in common.nonzero().flatten().tolist())
-    common = torch.bincount(train_targets.cpu()).argmax()
-    return (val_targets.cpu() == common).float().mean().item(), str(common.item())
-
-
-def standard_error(prior: float, n: int) -> float:
-    """The standard error of a score over ``n`` images of a model whose true score is ``prior``."""
-    return math.sqrt(max(prior * (1 - prior), 0.0) / max(n, 1))
-
-
-def learning_bound(prior: float, n: int) -> float:
-    """The score over ``n`` validation images that a run must beat to have clearly learned: the ``prior`` score plus
-    two standard errors of a score at the prior (a chance difference in a small validation split is not learning)
-    and one image."""
-    return prior + 2 * standard_error(prior, n) + 1 / max(n, 1)
-
-
-def chance_level(prior: float, n: int) -> float:
-    """The score over ``n`` validation images up to which a run sits at the ``prior``: one standard error and one
-    image above it, what the best of a few epochs of a model that learned nothing reaches by chance."""
-    return prior + standard_error(prior, n) + 1 / max(n, 1)
-
-
-def has_learned(best: float, prior: float, n: int) -> bool:
-    """Whether a best validation score ``best`` over ``n`` images is clearly above the ``prior`` score
-    (``learning_bound``)."""
-    return best > learning_bound(prior, n)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What a run's best validation score says about its learning (``verdict``).
-
-    ``learned``: True, clearly above the label prior (``learning_bound``); False, at the prior (at most
-    ``chance_level``): the run fails and ``best/`` is marked; None, between the two, or a split too small for even a
-    perfect score to clear the prior's noise: the split cannot tell, and the run does not fail. ``message``: what
-    the log says, with the figures and the bounds (empty when the run clearly learned)."""
-
-    learned: bool | None
-    message: str
-
-
-TRY_NEXT = (
-    "Try, in order: more --epochs; the default recipe (no --lr, --optimizer, --weight-decay or --augment flags); a "
-    "look at a few images of each label (are the labels right, do the images differ?); more images per label"
-)
-
-
-def verdict(best: float, prior: float, n: int, answer: str, metric: str = "top-1", epoch: int | None = None) -> Verdict:
-    """The verdict on a best validation ``metric`` of ``best`` (at ``epoch``) over ``n`` images, against ``prior``,
-    the score of always giving ``answer`` (the training split's most common label, or label set). Only a run at or
-    below the prior is said to be "no better than" it."""
-    bound, chance = learning_bound(prior, n), chance_level(prior, n)
-    scored = f"its best validation {metric}, {100 * best:.1f} %" + (f" (epoch {epoch})" if epoch is not None else "")
-    always = f"always answering {answer} ({100 * prior:.1f} % of the validation images)"
-    clears = f"more than {100 * bound:.1f} % (two standard errors and one image above the prior)"
-    if best > bound:
-        return Verdict(True, "")
-    if not has_learned(1.0, prior, n):
-        return Verdict(
-            None,
-            f"the validation split ({n} images) is too small to tell a model that learned from one that did not: "
-            f"{scored}, against {always}; even 100 % would not clear that prior's noise on {n} images (it takes "
-            f"{clears}). Give --val-size a larger count, or a val/ split",
-        )
-    if best > chance:
-        return Verdict(
-            None,
-            f"the validation split ({n} images) is too small to tell whether the run learned: {scored}, is above "
-            f"{always}, but not clear of chance: on {n} images that takes {clears}. best/ is not marked. To tell, "
-            "give --val-size a larger count or a val/ split; more --epochs may also raise the score",
-        )
-    if best > prior:
-        return Verdict(
-            False,
-            f"the run did not learn: {scored}, is within chance of {always}: on {n} images a model that learned "
-            f"nothing reaches up to {100 * chance:.1f} % (one standard error and one image above the prior), and a run "
-            f"that learned scores {clears}. best/ is marked as not learned. {TRY_NEXT}",
-        )
-    return Verdict(
-        False,
-        f"the run did not learn: {scored}, is no better than {always}. best/ is marked as not learned. {TRY_NEXT}",
-    )
-
-
-ADAM_LR_WARNING = 1e-2  # an Adam(W) lr above this is almost always an SGD lr given by habit
-
-MEMORISING_GAP = 0.3  # train minus validation score above which the log names a run as memorising
 
 
 def loss_and_hits(logits: Tensor, targets: Tensor, config: ModelConfig, progress: float = 1.0) -> tuple[Tensor, Tensor]:
@@ -232,67 +136,6 @@ def _autocast(device: torch.device, amp: str):  # type: ignore[no-untyped-def]
 # ------------------------------------------------------------------------------------------------- training
 
 
-def val_size_of(cfg: TrainConfig, own: bool) -> int | float:
-    return cfg.val_size if cfg.val_size is not None else DEFAULT_VAL_SIZE["own" if own else "builtin"]
-
-
-def model_to_train(cfg: TrainConfig, manifest: Manifest | None = None) -> Model:
-    """The model to train: the named config, with the labels, task and input size of a user's data if given."""
-    config = get_config(cfg.model, **cfg.overrides)
-    val_size = val_size_of(cfg, manifest is not None)
-    if manifest is None:
-        if cfg.image_size is not None:
-            raise ValueError(
-                "--image-size works with your own images (a folder or CSV); the built-in datasets have "
-                "fixed sizes (use --set image_size=N to change a model config)"
-            )
-        data = {"dataset": dataset_for(config.labels, config.task, config.image_size), "val_size": val_size}
-    else:
-        config = dataclasses.replace(
-            config,
-            labels=manifest.labels,
-            task=manifest.task,
-            thresholds=None,
-            image_size=cfg.image_size or config.image_size,
-        )
-        data = {"dataset": manifest.kind, "source": str(manifest.source), "val_size": val_size}
-    torch.manual_seed(cfg.seed)
-    # served answers and exports carry the run's name: two fine-tunes of one config can be told apart
-    name = cfg.name or Path(cfg.out).name
-    return build_model(dataclasses.replace(config, extra={**config.extra, "data": data, "name": name}))
-
-
-def chooses_class_weights(cfg: TrainConfig, config: ModelConfig, resume: str | Path | None) -> bool:
-    """Whether a run picks its class capsule transforms from its data (``capserve.data.placement``): a new run from
-    scratch on a user's images, of an attention capsule model whose class layer reads a grid, without
-    ``--set class_weights=...``."""
-    return (
-        resume is None
-        and not cfg.init
-        and "class_weights" not in cfg.overrides
-        and config.has_routing
-        and config.routing_algorithm == "attention"
-        and (not config.capsules or config.capsules[-1].kind == "conv")
-    )
-
-
-def load_own_training(
-    manifest: Manifest, model: Model, out: Path, d: Dist, device: torch.device
-) -> tuple[Data, Split | None, int]:
-    """A user's data decoded at the model's input (through the run folder's cache): training data, test, skipped."""
-    c = model.config
-    if d.enabled and not d.main:
-        dist.barrier()  # rank 0 decodes and writes the cache first; the others read it
-    own = build_cache(manifest, c.labels, InputSize(c.in_channels, c.image_size), out / CACHE_FILE)
-    if d.enabled and d.main:
-        dist.barrier()
-    train, val, test = (own.splits.get(s) for s in ("train", "val", "test"))
-    if train is None or not len(train):
-        raise ValueError(f"no readable training images in {manifest.source}")
-    val = val.to(device) if val is not None and len(val) else None
-    return Data(manifest.kind, train.to(device), None, val, len(train)), test, own.skipped
-
-
 def train(cfg: TrainConfig, resume: str | Path | None = None) -> dict[str, Any]:
     """Run training as ``cfg`` says (continuing from ``resume``'s ``last/`` if given); return the summary."""
     d, device = setup_distributed(cfg.device)
@@ -305,10 +148,10 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> dict[str, Any]:
 
 @dataclass
 class Run:
-    """What a training run holds between its steps: the model and its optimizer, the data, the counters that
-    ``last/`` saves (``state``), and the wall clock of this process's part of the run."""
+    """What a training run holds between its steps: its plan (the resolved choices and the data), the model and its
+    optimizer, the counters that ``last/`` saves (``state``), and the wall clock of this process's part of the run."""
 
-    cfg: TrainConfig
+    plan: Plan
     d: Dist
     device: torch.device
     out: Path
@@ -316,16 +159,19 @@ class Run:
     net: torch.nn.Module  # the model, or its DDP wrapper
     opt: torch.optim.Optimizer
     scaler: Any
-    data: Data
-    dataset: str
     state: dict[str, Any]
-    manifest: Manifest | None = None
-    test_split: Split | None = None
-    skipped: int = 0
     init: dict[str, Any] | None = None
     resumed_elapsed: float = 0.0  # training seconds of the pieces before this one (--resume)
     started: float = field(default_factory=time.perf_counter)
     steps_this_run: int = 0
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.plan.cfg
+
+    @property
+    def data(self) -> Data:
+        return self.plan.data
 
     @property
     def steps_per_epoch(self) -> int:
@@ -336,146 +182,72 @@ class Run:
         return self.resumed_elapsed + time.perf_counter() - self.started
 
 
-def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.device) -> Run:
-    """The data (built-in or the user's own), the model (``--init`` applied), its optimizer, and the state to start
-    from (``--resume``)."""
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-        torch.set_float32_matmul_precision("high")
-    check_data_exists(cfg.data)  # before the run folder exists: a typo leaves nothing behind
-    out = Path(cfg.out)
-    manifest = None
-    if is_own_data(cfg.data):
-        manifest = scan(cfg.data, cfg.label_separator)
-        check_training(manifest)
-        manifest, carved = with_validation(manifest, val_size_of(cfg, own=True))
-        if carved:
-            log.info("validation: %d images carved from %s's training images (seed 0)", carved, manifest.source)
-    elif cfg.label_separator is not None:
-        raise ValueError(f"--label-separator is for a CSV of your own images; {cfg.data} holds built-in dataset files")
-    batch_given = cfg.batch_size is not None
-    cfg = resolve_recipe(cfg, own_data=manifest is not None)  # recorded in train_config.json as resolved
-    if cfg.batch_size % d.world:
-        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes {d.world}")
-    model = model_to_train(cfg, manifest)
-    dataset = model.config.extra["data"]["dataset"]
-    init = init_from(model, cfg.init, cfg.label_map) if cfg.init and resume is None else None
-    if d.main:
-        out.mkdir(parents=True, exist_ok=True)
-        if resume is None:
-            start_afresh(out)
-    skipped, test_split = 0, None
-    if manifest is not None:
-        data, test_split, skipped = load_own_training(manifest, model, out, d, device)
-        if chooses_class_weights(cfg, model.config, resume):
-            placement = measure_placement(data.train.images, data.train.targets, cfg.seed)
-            # recorded in train_config.json's overrides, so that --resume rebuilds the same model
-            cfg = dataclasses.replace(cfg, overrides={**cfg.overrides, "class_weights": placement.class_weights})
-            model = model_to_train(cfg, manifest)
-            if d.main:
-                log.info("class capsule transforms: %s (%s)", placement.class_weights, placement.reason())
-    else:
-        data = load_training(dataset, cfg.data, val_size_of(cfg, own=False), cfg.epoch_size, device)
-    if data.epoch_size < cfg.batch_size and not batch_given and data.epoch_size >= d.world:
-        # a default batch never refuses a small data set: one batch of all its images (a multiple of the processes)
-        cfg = dataclasses.replace(cfg, batch_size=data.epoch_size // d.world * d.world)
-    if data.epoch_size < cfg.batch_size:
-        raise ValueError(f"--batch-size {cfg.batch_size} exceeds the {data.epoch_size} training images per epoch")
-    augment_why = "given"
-    if cfg.augment is None:  # recorded in train_config.json (and every checkpoint) as resolved
-        cfg = dataclasses.replace(cfg, augment=default_augment(dataset))
-        augment_why = augment_reason(dataset)
-    if d.main:
-        log.info("augmentation: %s (%s)", cfg.augment, augment_why)
-        log.info(
-            "recipe: %s lr %g, weight decay %g, %s schedule, batch %d",
-            cfg.optimizer,
-            cfg.lr,
-            cfg.weight_decay,
-            cfg.schedule,
-            cfg.batch_size,
-        )
-        if cfg.optimizer in ("adam", "adamw") and cfg.lr > ADAM_LR_WARNING:
-            log.warning(
-                "--lr %g is an SGD-sized step; %s usually diverges or stalls above %g (its default is %g): "
-                "drop --lr, or give --optimizer sgd",
-                cfg.lr,
-                cfg.optimizer,
-                ADAM_LR_WARNING,
-                DEFAULT_LR[cfg.optimizer],
-            )
-    if manifest is not None and not cfg.init:  # --init keeps the mean/std its weights were trained with
-        model.config = dataclasses.replace(model.config, **data_mean_std(data.train.images))
-        log.info("mean/std from the %d training images: %s / %s", len(data.train), model.config.mean, model.config.std)
+def place(model: Model, cfg: TrainConfig, d: Dist, device: torch.device) -> torch.nn.Module:
+    """``model`` on ``device`` in the memory format ``cfg`` asks for, its frozen part frozen; returns what the steps
+    call: the model, or its DDP wrapper."""
     if cfg.freeze == "backbone":
         model.backbone.requires_grad_(False)
     model.to(device)
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
-    net: torch.nn.Module = model
-    if d.enabled:
-        net = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
+    if not d.enabled:
+        return model
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
+
+
+def continue_from(run: Run, saved: str | Path) -> None:
+    """Continue the run saved in ``saved`` (its ``last/``): its model, optimizer, scaler and counters as they were;
+    ``metrics.jsonl`` forgets the epochs after that save."""
+    cfg, out = run.cfg, run.out
+    last = Path(saved) if (Path(saved) / "trainer.json").is_file() else Path(saved) / "last"
+    run.state = load_state(last, run.model, run.opt, run.scaler, run.device)
+    run.resumed_elapsed = run.state["elapsed"]
+    if run.d.main:
+        drop_unsaved_epochs(out / "metrics.jsonl", run.state["epoch"])
+    if run.state["epoch"] >= cfg.epochs:  # a finished run (learned or not) is summed up again, never trained further
+        log.warning(
+            "%s already trained its %d epochs: --resume has nothing left to train, and sums the run up again "
+            "from best/ (the verdict on learning, multi-label thresholds, the test figure, summary.json). To "
+            "train further, start a new run from its weights: --init %s --epochs N",
+            out,
+            cfg.epochs,
+            out / "best",
         )
+    else:
+        log.info("resumed from %s at epoch %d, step %d", last, run.state["epoch"] + 1, run.state["step"])
+
+
+def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.device) -> Run:
+    """The run's plan (every choice made, the data loaded: ``plan_run``), then its model, built once from the plan
+    (``--init`` applied), the optimizer, and the state to start from (``--resume``)."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.set_float32_matmul_precision("high")
+    plan = plan_run(cfg, resume, d, device)
+    cfg, out = plan.cfg, Path(plan.cfg.out)
+    model = plan.build_model()
+    init = init_from(model, cfg.init, cfg.label_map) if cfg.init and resume is None else None
+    net = place(model, cfg, d, device)
     opt = make_optimizer(model, cfg)
     scaler = torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None
     state: dict[str, Any] = {"epoch": 0, "batch": 0, "step": 0, "elapsed": 0.0, "best_acc": None, "best_epoch": None}
+    run = Run(plan, d, device, out, model, net, opt, scaler, state, init)
     if resume is not None:
-        last = Path(resume) if (Path(resume) / "trainer.json").is_file() else Path(resume) / "last"
-        state = load_state(last, model, opt, scaler, device)
-        if d.main:
-            drop_unsaved_epochs(out / "metrics.jsonl", state["epoch"])
-        if state["epoch"] >= cfg.epochs:  # a finished run (learned or not) is summed up again, never trained further
-            log.warning(
-                "%s already trained its %d epochs: --resume has nothing left to train, and sums the run up again "
-                "from best/ (the verdict on learning, multi-label thresholds, the test figure, summary.json). To "
-                "train further, start a new run from its weights: --init %s --epochs N",
-                out,
-                cfg.epochs,
-                out / "best",
-            )
-        else:
-            log.info("resumed from %s at epoch %d, step %d", last, state["epoch"] + 1, state["step"])
-    run = Run(
-        cfg,
-        d,
-        device,
-        out,
-        model,
-        net,
-        opt,
-        scaler,
-        data,
-        dataset,
-        state,
-        manifest,
-        test_split,
-        skipped,
-        init,
-        resumed_elapsed=state["elapsed"],
-    )
+        continue_from(run, resume)
     if d.main:
-        write_whole(out / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+        plan.record(out)
         log.info(
             "%s on %s: %d train images/epoch, %d validation, %d steps/epoch, %d parameters",
             cfg.model,
             device,
-            data.epoch_size,
-            len(data.val) if data.val else 0,
+            plan.data.epoch_size,
+            len(plan.data.val) if plan.data.val else 0,
             run.steps_per_epoch,
             sum(p.numel() for p in model.parameters()),
         )
     return run
-
-
-def start_afresh(out: Path) -> None:
-    """A new run in the folder of an earlier one (without ``--resume``) logs and sums up only itself: the earlier
-    run's metrics, curves and summary go, and its ``best/`` and ``last/`` are replaced as this run saves."""
-    earlier = [out / name for name in ("metrics.jsonl", "curves.png", "summary.json") if (out / name).is_file()]
-    if earlier:
-        log.warning("%s holds an earlier run: this one starts afresh and replaces it (--resume continues it)", out)
-    for path in earlier:
-        path.unlink()
 
 
 def drop_unsaved_epochs(metrics: Path, saved_epochs: int) -> None:
@@ -623,7 +395,7 @@ def finish(run: Run) -> dict[str, Any]:
     device = run.device
     summary: dict[str, Any] = {
         "model": cfg.model,
-        "dataset": run.dataset,
+        "dataset": run.plan.dataset,
         "best_epoch": state["best_epoch"],
         "best_val_acc": state["best_acc"] if data.val is not None else None,
         "steps": state["step"],
@@ -632,8 +404,8 @@ def finish(run: Run) -> dict[str, Any]:
         "processes": d.world,
         "augment": cfg.augment,
     }
-    if run.manifest is not None:
-        summary.update(labels=list(c.labels), task=c.task, skipped_images=run.skipped)
+    if run.plan.manifest is not None:
+        summary.update(labels=list(c.labels), task=c.task, skipped_images=run.plan.skipped)
     if run.init is not None:
         summary["init"] = {
             "from": run.init["from"],
@@ -644,7 +416,7 @@ def finish(run: Run) -> dict[str, Any]:
         }
     if data.val is None and d.main:
         log.warning("no validation split (--val-size 0): best/ is the epoch with the best training accuracy")
-    learned = check_learned(run) if d.main else None
+    learned = check_learned(run.out, data, state, c) if d.main else None
     if learned is not None:
         summary.update(learned=learned["learned"], prior_val_acc=learned["prior"])
     if (
@@ -656,7 +428,7 @@ def finish(run: Run) -> dict[str, Any]:
     ):
         summary["thresholds"] = calibrate_best(run.out / "best", data.val, cfg.eval_batch_size, device)
     if cfg.test and state["best_epoch"] is not None and d.main:
-        test_split = run.test_split if run.manifest is not None else load_test(run.dataset, cfg.data)
+        test_split = run.plan.test_split if run.plan.manifest is not None else load_test(run.plan.dataset, cfg.data)
         if test_split is None or not len(test_split):
             log.info(
                 "no test split in %s (a test/ folder or rows with split test): skipping the test evaluation", cfg.data
@@ -683,48 +455,6 @@ def _train(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
         if (run.out / "metrics.jsonl").is_file():
             plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
     return summary
-
-
-def check_learned(run: Run) -> dict[str, Any] | None:
-    """After the last epoch: the ``verdict`` on the best epoch against the label prior on validation, and whether the
-    run memorised. A run that did not learn says so loudly, and ``best/`` is marked ``"learned": false`` in its
-    config (export and serve warn about such a model); a run above the prior that its split cannot tell from chance
-    gets a warning with the figures and the bound. None without a validation split or a best epoch."""
-    data, state, c = run.data, run.state, run.model.config
-    if data.val is None or not len(data.val) or state["best_epoch"] is None:
-        return None
-    train_targets = data.train.targets if data.train is not None else data.val.targets
-    prior, answer = prior_score(train_targets, data.val.targets)
-    key = "exact match" if c.task == "multi_label" else "top-1"
-    names = [c.labels[int(i)] for i in answer.split(",") if i]
-    said = verdict(
-        state["best_acc"], prior, len(data.val), " + ".join(names) if names else "no label", key, state["best_epoch"]
-    )
-    records = [json.loads(line) for line in (run.out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    last = records[-1] if records else {}
-    gap = last.get("train_acc", 0.0) - last.get("val_acc", 0.0)
-    if gap > MEMORISING_GAP:
-        log.warning(
-            "the run memorised its training images: %s %.1f %% on them against %.1f %% on validation in the "
-            "last epoch; more images, --augment shift (if position varies), or a larger --weight-decay "
-            "usually help",
-            key,
-            100 * last["train_acc"],
-            100 * last["val_acc"],
-        )
-    if said.learned is False:
-        log.error("%s", said.message)
-        mark_not_learned(run.out / "best", state["best_acc"], prior)
-    elif said.learned is None:
-        log.warning("%s", said.message)
-    return {"learned": said.learned, "prior": prior}
-
-
-def mark_not_learned(best_dir: Path, best: float, prior: float) -> None:
-    """Record in ``best_dir``'s config.json that its model did not beat the label prior (``NOT_LEARNED``)."""
-    payload = json.loads((best_dir / CONFIG).read_text())
-    payload.setdefault("training", {}).update({NOT_LEARNED: False, "best_val": best, "prior_val": prior})
-    write_whole(best_dir / CONFIG, json.dumps(payload, indent=2) + "\n")  # a full disk leaves the old one whole
 
 
 def calibrate_best(best_dir: Path, val: Split, batch_size: int, device: torch.device) -> list[float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,17 @@ from capserve.model.checkpoint import read_config, save_model, save_tensors
 from capserve.model.factory import Model
 from capserve.model.factory import load as load_model
 from capserve.train.config import TrainConfig
+
+__all__ = [
+    "check_init",
+    "init_architecture",
+    "init_from",
+    "load_state",
+    "parse_label_map",
+    "provenance",
+    "renamed_labels",
+    "save_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -112,41 +124,48 @@ def _class_dim(leaf: str, routing: bool) -> int | None:
     return {"weight": 1, "beta_v": 0, "beta_a": 0}.get(leaf)
 
 
-def init_from(model: Model, directory: str | Path, label_map: dict[str, str] | None = None) -> dict[str, Any]:
-    """Load every tensor of the model folder ``directory`` whose name and shape match ``model``'s (fine-tuning).
-
-    In the class layer (class capsules, or a CNN's classifier), each class whose label the source model also has
-    keeps its trained slice, wherever it sits; only labels new to it start afresh. ``label_map`` renames source
-    labels first ({OLD: NEW}: a class renamed in the data keeps what it learnt).
-    Returns ``{"from", "loaded", "new", "partial", "kept_labels", "new_labels"}``: tensor names loaded whole, left
-    as initialised, and loaded for the kept classes only; the labels that kept their class capsules, and the rest.
-    """
-    directory = Path(directory)
-    source_model = load_model(directory)  # a clear CheckpointError for a folder that is not a model
-    source, weights = source_model.config, source_model.state_dict()
+def renamed_labels(
+    source_labels: Sequence[str], labels: Sequence[str], directory: str | Path, label_map: dict[str, str] | None = None
+) -> list[str]:
+    """The labels of the ``--init`` model in ``directory`` after ``label_map``'s renames ({OLD: NEW}), checked
+    against the data's ``labels``: every OLD is its label, every NEW one of the data's, and no two classes share
+    one."""
     label_map = dict(label_map or {})
-    unknown = [old for old in label_map if old not in source.labels]
+    unknown = [old for old in label_map if old not in source_labels]
     if unknown:
         raise ValueError(
             f"--label-map: {', '.join(map(repr, unknown))} is not a label of {directory} (its labels: "
-            f"{', '.join(source.labels)})"
+            f"{', '.join(source_labels)})"
         )
-    absent = [new for new in label_map.values() if new not in model.config.labels]
+    absent = [new for new in label_map.values() if new not in labels]
     if absent:
         raise ValueError(
-            f"--label-map: {', '.join(map(repr, absent))} is not a label of your data (its labels: "
-            f"{', '.join(model.config.labels)})"
+            f"--label-map: {', '.join(map(repr, absent))} is not a label of your data (its labels: {', '.join(labels)})"
         )
-    renamed = [label_map.get(label, label) for label in source.labels]
+    renamed = [label_map.get(label, label) for label in source_labels]
     clash = sorted({label for label in renamed if renamed.count(label) > 1})
     if clash:
         raise ValueError(f"--label-map gives two classes of {directory} the label {', '.join(map(repr, clash))}")
-    # target class j ← source class i, for every label both models have (after the renames)
-    pairs = [(j, renamed.index(label)) for j, label in enumerate(model.config.labels) if label in renamed]
-    routing = model.config.has_routing
-    # the layer whose outputs are the classes: the class capsules, or a CNN's linear classifier
-    class_layer = f"capsules.{len(model.capsules) - 1}." if routing else "classifier."
-    same_classes = renamed == list(model.config.labels)
+    return renamed
+
+
+def check_init(directory: str | Path, labels: Sequence[str], label_map: dict[str, str] | None = None) -> None:
+    """Fail before anything is built or written for an ``--init`` that is no model folder (``CheckpointError``) or a
+    ``--label-map`` that does not fit it and the data's ``labels``."""
+    renamed_labels(read_config(directory).labels, labels, directory, label_map)
+
+
+def _class_layer(model: Model) -> str:
+    """The prefix of the layer whose outputs are the classes: the class capsules, or a CNN's linear classifier."""
+    return f"capsules.{len(model.capsules) - 1}." if model.config.has_routing else "classifier."
+
+
+def _match_tensors(
+    model: Model, weights: dict[str, Tensor], pairs: list[tuple[int, int]], same_classes: bool
+) -> tuple[dict[str, Tensor], list[str], list[str]]:
+    """The tensors of ``weights`` that fit ``model``: (name → tensor to load, names loaded for the kept classes only,
+    names left as initialised). ``pairs``: (target class, source class) for each label both models have."""
+    class_layer, routing = _class_layer(model), model.config.has_routing
     loaded, partial, new = {}, [], []
     for name, tensor in model.state_dict().items():
         match = weights.get(name)
@@ -166,23 +185,42 @@ def init_from(model: Model, directory: str | Path, label_map: dict[str, str] | N
             partial.append(name)
         else:
             new.append(name)
+    return loaded, partial, new
+
+
+def init_from(model: Model, directory: str | Path, label_map: dict[str, str] | None = None) -> dict[str, Any]:
+    """Load every tensor of the model folder ``directory`` whose name and shape match ``model``'s (fine-tuning).
+
+    In the class layer (class capsules, or a CNN's classifier), each class whose label the source model also has
+    keeps its trained slice, wherever it sits; only labels new to it start afresh. ``label_map`` renames source
+    labels first ({OLD: NEW}: a class renamed in the data keeps what it learnt).
+    Returns ``{"from", "loaded", "new", "partial", "kept_labels", "new_labels"}``: tensor names loaded whole, left
+    as initialised, and loaded for the kept classes only; the labels that kept their class capsules, and the rest.
+    """
+    directory = Path(directory)
+    source_model = load_model(directory)  # a clear CheckpointError for a folder that is not a model
+    source, labels = source_model.config, model.config.labels
+    renamed = renamed_labels(source.labels, labels, directory, label_map)
+    # target class j ← source class i, for every label both models have (after the renames)
+    pairs = [(j, renamed.index(label)) for j, label in enumerate(labels) if label in renamed]
+    same_classes = renamed == list(labels)
+    loaded, partial, new = _match_tensors(model, source_model.state_dict(), pairs, same_classes)
     model.load_state_dict(loaded, strict=False)
-    values = sum(t.numel() for t in loaded.values())
-    kept = [model.config.labels[j] for j, _ in pairs] if partial or same_classes else []
-    fresh = [label for label in model.config.labels if label not in kept]
+    kept = [labels[j] for j, _ in pairs] if partial or same_classes else []
+    fresh = [label for label in labels if label not in kept]
     log.info(
         "--init %s (%s): loaded %d tensors (%s values), new %d%s",
         directory,
         source.name,
         len(loaded),
-        f"{values:,}",
+        f"{sum(t.numel() for t in loaded.values()):,}",
         len(new),
         f": {', '.join(new)}" if new else "",
     )
     if not same_classes:
         log.info(
             "class layer (%s*): %d labels keep what %s learnt%s; %d start afresh%s",
-            class_layer,
+            _class_layer(model),
             len(kept),
             directory,
             f" ({', '.join(kept)})" if kept else "",

@@ -17,13 +17,15 @@ import torch
 from PIL import Image
 from support.data import write_easy_cifar10
 from support.models import tiny_overrides
+from support.own import LABELS, SIZE, picture, write_csv, write_folder, write_images
 from support.server import start_server, stop, wait_ready
 
 import capserve
 import capserve.data.splits
 from capserve.cli import main
-from capserve.data.images import load_image, preprocess
-from capserve.data.own import CACHE_FILE, InputSize, Sample, build_cache, carve, scan
+from capserve.data.cache import CACHE_FILE
+from capserve.data.images import preprocess
+from capserve.data.own import Sample, carve, scan
 from capserve.errors import DataError
 from capserve.evaluate import evaluator as evaluate_module
 from capserve.routing import fused as kernel
@@ -31,65 +33,6 @@ from capserve.runtime.metadata import ModelMetadata
 from capserve.train.config import TrainConfig
 from capserve.train.loop import train
 from capserve.train.state import init_from
-
-# three labels that differ by colour, so a few steps learn them; names with a space and a non-ASCII letter
-COLOURS = {"red fox": (230, 30, 30), "blue whale": (30, 40, 230), "grüne Wiese": (30, 210, 40)}
-LABELS = tuple(sorted(COLOURS))
-SIZE = 16  # the models' input side in these tests
-MODES = ("RGB", "L", "RGBA", "P")
-
-
-def picture(label: str, seed: int, side: int = 20, mode: str = "RGB", fmt: str = "PNG") -> bytes:
-    """A noisy picture of ``label``'s colour, encoded in ``fmt`` from a ``mode`` image."""
-    rng = np.random.default_rng(seed)
-    pixels = np.clip(np.array(COLOURS[label]) + rng.integers(-25, 26, (side, side + 4, 3)), 0, 255).astype(np.uint8)
-    image = Image.fromarray(pixels)
-    if mode == "RGBA":
-        alpha = np.full((side, side + 4), 255, np.uint8)
-        alpha[:2] = 0  # a transparent band: composited over white, as the service does
-        image.putalpha(Image.fromarray(alpha))
-    elif mode == "P":
-        image = image.quantize(16)
-    elif mode != "RGB":
-        image = image.convert(mode)
-    buffer = io.BytesIO()
-    image.save(buffer, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
-    return buffer.getvalue()
-
-
-def write_images(directory: Path, per_label: int, seed: int = 0) -> list[Path]:
-    """``directory/<label>/`` with ``per_label`` images each, cycling formats and modes (one in a sub-folder)."""
-    files = []
-    for li, label in enumerate(LABELS):
-        for i in range(per_label):
-            mode = MODES[i % len(MODES)]
-            fmt = "JPEG" if i % 3 == 1 and mode in ("RGB", "L") else "PNG"
-            sub = directory / label / ("nested" if i == 0 else "")
-            sub.mkdir(parents=True, exist_ok=True)
-            path = sub / f"{i:03d}.{fmt.lower().replace('jpeg', 'jpg')}"
-            path.write_bytes(picture(label, seed * 1000 + li * 100 + i, mode=mode, fmt=fmt))
-            files.append(path)
-    return files
-
-
-def write_folder(root: Path, train: int = 12, val: int = 0, test: int = 0) -> Path:
-    """``root/<label>/...`` (no val/test) or ``root/train|val|test/<label>/...``."""
-    if not val and not test:
-        write_images(root, train)
-    else:
-        for split, n, seed in (("train", train, 0), ("val", val, 1), ("test", test, 2)):
-            if n:
-                write_images(root / split, n, seed)
-    (root / LABELS[0] / "notes.txt" if not (val or test) else root / "train" / LABELS[0] / "notes.txt").write_text("x")
-    return root
-
-
-def write_csv(root: Path, rows: list[tuple[str, str, str]], header: str = "image,labels,split") -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    lines = [header, *(",".join(r) for r in rows)]
-    path = root / "data.csv"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def multi_label_csv(root: Path, n: int = 36) -> Path:
@@ -150,37 +93,6 @@ def test_folder_labels_splits_and_ignored_files(tmp_path):
     assert any("nested" in s.where for s in manifest.splits["train"])
     named = scan(write_folder(tmp_path / "named", train=3, val=2, test=1))
     assert named.named_splits and {k: len(v) for k, v in named.splits.items()} == {"train": 9, "val": 6, "test": 3}
-
-
-def test_cache_holds_exactly_what_the_service_decodes(folder, tmp_path):
-    manifest = scan(folder)
-    spec = InputSize(3, SIZE)
-    cache = tmp_path / "cache.safetensors"
-    built = build_cache(manifest, LABELS, spec, cache)
-    assert not built.from_cache and built.skipped == 1  # the truncated PNG
-    train = built.splits["train"]
-    readable = [s for s in manifest.splits["train"] if s.path.name != "broken.png"]
-    assert len(train) == len(readable) == 102
-    for row, sample in enumerate(readable):  # every mode and format: pixel for pixel the service's preprocessing
-        assert torch.equal(train.images[row], torch.from_numpy(load_image(sample.path.read_bytes(), spec)))
-        assert LABELS[int(train.targets[row])] == sample.labels[0]
-    again = build_cache(manifest, LABELS, spec, cache)
-    assert again.from_cache and torch.equal(again.splits["train"].images, train.images) and again.skipped == 1
-    changed = readable[3].path
-    changed.write_bytes(picture(LABELS[0], 99))  # new content → decoded again
-    os.utime(changed, ns=(1, 1))
-    rebuilt = build_cache(manifest, LABELS, spec, cache)
-    assert not rebuilt.from_cache
-    assert not build_cache(manifest, LABELS, InputSize(3, 24), cache).from_cache  # another size
-
-
-def test_more_than_one_percent_unreadable_stops_with_the_list(tmp_path, capsys):
-    root = write_folder(tmp_path / "bad", train=4)
-    (root / LABELS[0] / "a.png").write_bytes(b"not an image")
-    (root / LABELS[2] / "b.jpg").write_bytes(b"\xff\xd8\xff truncated")
-    with pytest.raises(DataError, match=r"2 of 14 images .* cannot be read") as e:
-        build_cache(scan(root), LABELS, InputSize(3, SIZE), None)
-    assert "red fox/b.jpg" in str(e.value) and "blue whale/a.png" in str(e.value)
 
 
 def test_stratified_carve_is_seeded_and_keeps_every_label():
@@ -638,24 +550,6 @@ def test_validation_carve_never_leaks_and_keeps_every_image(tmp_path, kind):
     assert count == len(val_paths) == round(0.25 * len(before)) and count > 0
     assert not set(train_paths) & set(val_paths)  # no file in both
     assert sorted(train_paths + val_paths) == sorted(before)  # together exactly the input, each once
-
-
-def test_relabelled_csv_rebuilds_the_cache(tmp_path):
-    root = tmp_path / "c"
-    (root / "img").mkdir(parents=True)
-    for i in range(4):
-        (root / "img" / f"{i}.png").write_bytes(picture(LABELS[i % 3], i))
-    first = write_csv(root, [(f"img/{i}.png", "a" if i < 2 else "b", "train") for i in range(4)])
-    cache = tmp_path / CACHE_FILE
-    spec = InputSize(3, SIZE)
-    old = build_cache(scan(first), ("a", "b"), spec, cache)
-    # the same files and the same label set, but two images swap their labels
-    again = write_csv(root, [(f"img/{i}.png", "b" if i in (0, 3) else "a", "train") for i in range(4)])
-    new = build_cache(scan(again), ("a", "b"), spec, cache)
-    assert not new.from_cache
-    assert new.splits["train"].targets.tolist() == [[0, 1], [1, 0], [1, 0], [0, 1]]
-    assert not torch.equal(new.splits["train"].targets, old.splits["train"].targets)
-    assert build_cache(scan(again), ("a", "b"), spec, cache).from_cache  # unchanged again: reused
 
 
 @pytest.mark.parametrize("raw", ["img/../../up.png", "./../up.png", "a/b/../../../up.png"])

@@ -13,7 +13,8 @@ import pytest
 from PIL import Image
 from support.models import tiny_overrides
 
-from capserve.data.own import InputSize, build_cache, scan
+from capserve.data.cache import build_cache
+from capserve.data.own import InputSize, scan
 from capserve.errors import DataError
 from capserve.train.config import TrainConfig
 from capserve.train.loop import train

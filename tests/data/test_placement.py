@@ -8,7 +8,8 @@ import torch
 from PIL import Image, ImageDraw
 from support.data import MARKS, mark_pixels, write_marks
 
-from capserve.data.own import InputSize, build_cache, scan
+from capserve.data.cache import build_cache
+from capserve.data.own import InputSize, scan
 from capserve.data.placement import ALIGNED_RATIO, explained_share, measure_placement
 
 

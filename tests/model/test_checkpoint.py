@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -170,3 +171,21 @@ def test_a_write_after_a_swap_cut_between_its_renames_keeps_the_folder_whole(tmp
         raise RuntimeError("killed")  # and the next write fails half-way
     assert same(weights(directory), first.state_dict())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
+
+
+def test_update_config_rewrites_config_json_alone_and_keeps_its_other_entries(tmp_path):
+    """The one editor of a model folder's config.json: a new model config (calibrated thresholds) or entries merged
+    into its ``training`` record; the weights stay byte for byte, every other entry stays."""
+    model = tiny_model("multimnist-matrix")
+    save_model(model, tmp_path, extra={"training": {"epoch": 3}, "metrics": {"val_acc": 0.5}})
+    weights = (tmp_path / checkpoint.WEIGHTS).read_bytes()
+    checkpoint.update_config(tmp_path, dataclasses.replace(model.config, thresholds=(0.3,) * 10))
+    checkpoint.update_config(tmp_path, training={checkpoint.NOT_LEARNED: False})
+    assert capserve.read_config(tmp_path).thresholds == (0.3,) * 10
+    assert checkpoint.read_extra(tmp_path) == {
+        "training": {"epoch": 3, checkpoint.NOT_LEARNED: False},
+        "metrics": {"val_acc": 0.5},
+    }
+    assert (tmp_path / checkpoint.WEIGHTS).read_bytes() == weights
+    with pytest.raises(capserve.CheckpointError, match="config.json not found"):
+        checkpoint.update_config(tmp_path / "missing", training={"x": 1})

@@ -16,7 +16,7 @@ from support.models import tiny_overrides
 import capserve
 from capserve.cli import main
 from capserve.data.augment import AUGMENTATIONS, apply_augment, default_augment
-from capserve.data.own import CACHE_FILE
+from capserve.data.cache import CACHE_FILE
 from capserve.data.preprocess import data_mean_std
 from capserve.model.checkpoint import save_model
 from capserve.train.config import DEFAULT_WEIGHT_DECAY, TrainConfig, resolve_recipe

@@ -26,7 +26,7 @@ from capserve.export.onnx import load_checkpoint
 from capserve.model.checkpoint import not_learned_warning, save_model
 from capserve.pipeline.models import open_model
 from capserve.serving.settings import Settings
-from capserve.train.loop import check_learned, has_learned, mark_not_learned, prior_score, verdict
+from capserve.train.verdict import check_learned, has_learned, mark_not_learned, prior_score, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -255,7 +255,7 @@ def test_a_given_class_weights_is_kept_and_the_default_model_gates_its_children(
 FULL_DISK = """
 import resource, signal, sys
 from pathlib import Path
-from capserve.train.loop import mark_not_learned
+from capserve.train.verdict import mark_not_learned
 best, limit = Path(sys.argv[1]), int(sys.argv[2])
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
@@ -287,7 +287,8 @@ def test_marking_a_run_not_learned_on_a_full_disk_leaves_best_whole(tmp_path):
 
 
 def fake_run(tmp_path: Path, train_targets: list[int], val_targets: list[int], best_acc: float) -> SimpleNamespace:
-    """What ``check_learned`` reads of a finished run: its splits' targets, best epoch, model config and folder."""
+    """What ``check_learned`` reads of a finished run (``learned_of``): its folder, its splits' targets, best epoch
+    and model config."""
     labels = ("airplane", "automobile", "bird")[: max(train_targets + val_targets) + 1]
     model = tiny_model("cifar10-simple", labels=labels)
     out = tmp_path / "run"
@@ -305,12 +306,16 @@ def fake_run(tmp_path: Path, train_targets: list[int], val_targets: list[int], b
     )
 
 
+def learned_of(run: SimpleNamespace) -> dict | None:
+    return check_learned(run.out, run.data, run.state, run.model.config)
+
+
 def test_the_prior_is_taken_from_the_training_split(tmp_path):
     """Train 60/40, validation 40/60: always answering the training split's most common label scores 40 % on
     validation, so a 62 % model over 100 images learned (the validation split's own majority, 60 %, is not the
     prior: no model could know it)."""
     run = fake_run(tmp_path, [0] * 60 + [1] * 40, [0] * 40 + [1] * 60, 0.62)
-    assert check_learned(run) == {"learned": True, "prior": pytest.approx(0.4)}
+    assert learned_of(run) == {"learned": True, "prior": pytest.approx(0.4)}
     assert not_learned_warning(run.out / "best") is None
 
 
@@ -321,7 +326,7 @@ def test_a_small_split_that_cannot_tell_says_so_and_does_not_fail_a_run_above_th
     train_targets, val_targets = [0] * 91 + [1] * 90 + [2] * 89, [0, 1, 2] * 10
     above = fake_run(tmp_path / "above", train_targets, val_targets, 16 / 30)
     with caplog.at_level(logging.WARNING):
-        assert check_learned(above) == {"learned": None, "prior": pytest.approx(1 / 3)}
+        assert learned_of(above) == {"learned": None, "prior": pytest.approx(1 / 3)}
     said = caplog.text
     assert "too small to tell" in said and "no better than" not in said, said
     for figure in ("30 images", "53.3 % (epoch 4)", "always answering airplane (33.3 %", "more than 53.9 %"):
@@ -330,7 +335,7 @@ def test_a_small_split_that_cannot_tell_says_so_and_does_not_fail_a_run_above_th
     at = fake_run(tmp_path / "at", train_targets, val_targets, 10 / 30)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        assert check_learned(at)["learned"] is False
+        assert learned_of(at)["learned"] is False
     assert "no better than always answering airplane (33.3 %" in caplog.text
     assert "did not learn" in not_learned_warning(at.out / "best")
 

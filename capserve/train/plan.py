@@ -1,0 +1,269 @@
+"""A run's plan: every choice that depends on the data, made once, before anything is built (``plan_run``).
+
+The recipe (optimizer, lr, weight decay, schedule), the batch size, the augmentation, the mean/std, the class
+capsule transforms, and why each was chosen; the model config the run builds its model from, once
+(``Plan.build_model``); and the data, decoded at that model's input. ``train_config.json`` records the resolved
+``TrainConfig`` with the reasons (``Plan.record``), and ``--resume`` rebuilds the same model from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from capserve.configs import ModelConfig, get_config
+from capserve.data.augment import augment_reason, default_augment
+from capserve.data.builtin import Data, dataset_for, load_training
+from capserve.data.cache import CACHE_FILE, build_cache
+from capserve.data.own import InputSize, Manifest, check_data_exists, check_training, is_own_data, scan, with_validation
+from capserve.data.placement import measure_placement
+from capserve.data.preprocess import data_mean_std
+from capserve.data.splits import Split
+from capserve.files import write_whole
+from capserve.model.factory import Model, build_model
+from capserve.train.config import DEFAULT_LR, DEFAULT_VAL_SIZE, TrainConfig, resolve_recipe
+from capserve.train.distributed import Dist
+from capserve.train.state import check_init
+
+__all__ = ["TRAIN_CONFIG", "Plan", "chooses_class_weights", "model_config", "plan_run", "val_size_of"]
+
+log = logging.getLogger(__name__)
+
+TRAIN_CONFIG = "train_config.json"
+
+RESUMED = "as the run resumed recorded it"  # a resumed run's choices come from its trainer.json
+
+ADAM_LR_WARNING = 1e-2  # an Adam(W) lr above this is almost always an SGD lr given by habit
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a run decided before building anything.
+
+    ``cfg``: the ``TrainConfig`` with no choice left open (recipe, batch size, augmentation, and the class capsule
+    transforms in its overrides). ``config``: the model to build, with the data's labels, task, input size and
+    mean/std. ``reasons``: why each choice was made, in the words of the run's log. The rest is the data: training
+    (and validation), the test split of a user's images, and how many of their files were skipped."""
+
+    cfg: TrainConfig
+    config: ModelConfig
+    reasons: dict[str, str]
+    data: Data
+    manifest: Manifest | None = None
+    test_split: Split | None = None
+    skipped: int = 0
+
+    @property
+    def dataset(self) -> str:
+        return self.config.extra["data"]["dataset"]
+
+    def build_model(self) -> Model:
+        """The run's model, initialised from its seed."""
+        torch.manual_seed(self.cfg.seed)
+        return build_model(self.config)
+
+    def record(self, out: Path) -> None:
+        """``train_config.json``: the resolved ``TrainConfig`` and, under ``reasons``, why each choice was made."""
+        recorded = {**dataclasses.asdict(self.cfg), "reasons": self.reasons}
+        write_whole(out / TRAIN_CONFIG, json.dumps(recorded, indent=1) + "\n")
+
+
+def val_size_of(cfg: TrainConfig, own: bool) -> int | float:
+    return cfg.val_size if cfg.val_size is not None else DEFAULT_VAL_SIZE["own" if own else "builtin"]
+
+
+def model_config(cfg: TrainConfig, manifest: Manifest | None = None) -> ModelConfig:
+    """The config of the model to train: the named config, with the labels, task and input size of a user's data if
+    given, and the data and name it was trained on in ``extra``."""
+    config = get_config(cfg.model, **cfg.overrides)
+    val_size = val_size_of(cfg, manifest is not None)
+    if manifest is None:
+        if cfg.image_size is not None:
+            raise ValueError(
+                "--image-size works with your own images (a folder or CSV); the built-in datasets have "
+                "fixed sizes (use --set image_size=N to change a model config)"
+            )
+        data = {"dataset": dataset_for(config.labels, config.task, config.image_size), "val_size": val_size}
+    else:
+        config = dataclasses.replace(
+            config,
+            labels=manifest.labels,
+            task=manifest.task,
+            thresholds=None,
+            image_size=cfg.image_size or config.image_size,
+        )
+        data = {"dataset": manifest.kind, "source": str(manifest.source), "val_size": val_size}
+    # served answers and exports carry the run's name: two fine-tunes of one config can be told apart
+    name = cfg.name or Path(cfg.out).name
+    return dataclasses.replace(config, extra={**config.extra, "data": data, "name": name})
+
+
+def chooses_class_weights(cfg: TrainConfig, config: ModelConfig, resume: str | Path | None) -> bool:
+    """Whether a run picks its class capsule transforms from its data (``capserve.data.placement``): a new run from
+    scratch on a user's images, of an attention capsule model whose class layer reads a grid, without
+    ``--set class_weights=...``."""
+    return (
+        resume is None
+        and not cfg.init
+        and "class_weights" not in cfg.overrides
+        and config.has_routing
+        and config.routing_algorithm == "attention"
+        and (not config.capsules or config.capsules[-1].kind == "conv")
+    )
+
+
+def read_manifest(cfg: TrainConfig) -> Manifest | None:
+    """A user's data with its validation split (carved from its training images when it names none); None for the
+    built-in data sets."""
+    if not is_own_data(cfg.data):
+        if cfg.label_separator is not None:
+            raise ValueError(
+                f"--label-separator is for a CSV of your own images; {cfg.data} holds built-in dataset files"
+            )
+        return None
+    manifest = scan(cfg.data, cfg.label_separator)
+    check_training(manifest)
+    manifest, carved = with_validation(manifest, val_size_of(cfg, own=True))
+    if carved:
+        log.info("validation: %d images carved from %s's training images (seed 0)", carved, manifest.source)
+    return manifest
+
+
+def start_afresh(out: Path) -> None:
+    """A new run in the folder of an earlier one (without ``--resume``) logs and sums up only itself: the earlier
+    run's metrics, curves and summary go, and its ``best/`` and ``last/`` are replaced as this run saves."""
+    earlier = [out / name for name in ("metrics.jsonl", "curves.png", "summary.json") if (out / name).is_file()]
+    if earlier:
+        log.warning("%s holds an earlier run: this one starts afresh and replaces it (--resume continues it)", out)
+    for path in earlier:
+        path.unlink()
+
+
+def load_own_training(
+    manifest: Manifest, config: ModelConfig, out: Path, d: Dist, device: torch.device
+) -> tuple[Data, Split | None, int]:
+    """A user's data decoded at the model's input (through the run folder's cache): training data, test, skipped."""
+    if d.enabled and not d.main:
+        dist.barrier()  # rank 0 decodes and writes the cache first; the others read it
+    own = build_cache(manifest, config.labels, InputSize(config.in_channels, config.image_size), out / CACHE_FILE)
+    if d.enabled and d.main:
+        dist.barrier()
+    train, val, test = (own.splits.get(s) for s in ("train", "val", "test"))
+    if train is None or not len(train):
+        raise ValueError(f"no readable training images in {manifest.source}")
+    val = val.to(device) if val is not None and len(val) else None
+    return Data(manifest.kind, train.to(device), None, val, len(train)), test, own.skipped
+
+
+def recipe_reasons(given: TrainConfig, cfg: TrainConfig, own: bool, resume: str | Path | None) -> dict[str, str]:
+    """Why the optimizer, schedule and batch size of ``cfg`` (``given``, resolved) are what they are."""
+    if resume is not None:
+        return dict.fromkeys(("optimizer", "schedule", "batch_size", "class_weights"), RESUMED)
+    data = "your own images" if own else "the built-in data sets"
+    return {
+        "optimizer": "given" if given.optimizer != "auto" else f"the default for {data}",
+        "schedule": "given" if given.schedule is not None else f"the default for {data}",
+        "batch_size": "given" if given.batch_size is not None else f"the default for {data}",
+    }
+
+
+def fit_batch(cfg: TrainConfig, data: Data, given: bool, d: Dist) -> tuple[TrainConfig, str | None]:
+    """``cfg`` with a batch the data can fill (and why, when it changed): a default batch never refuses a small data
+    set, it takes one batch of all its images (a multiple of the processes); a given one does."""
+    if data.epoch_size < cfg.batch_size and not given and data.epoch_size >= d.world:
+        batch = data.epoch_size // d.world * d.world
+        reason = f"one batch of all {data.epoch_size} training images (fewer than the default {cfg.batch_size})"
+        return dataclasses.replace(cfg, batch_size=batch), reason
+    if data.epoch_size < cfg.batch_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} exceeds the {data.epoch_size} training images per epoch")
+    return cfg, None
+
+
+def from_the_images(
+    cfg: TrainConfig, manifest: Manifest, train: Split, resume: str | Path | None, d: Dist
+) -> tuple[TrainConfig, ModelConfig, dict[str, str]]:
+    """The choices a user's decoded training images make: the class capsule transforms (a new run from scratch of a
+    model that can take either) and the mean/std (unless ``--init`` keeps its own)."""
+    reasons: dict[str, str] = {}
+    if chooses_class_weights(cfg, model_config(cfg, manifest), resume):
+        placement = measure_placement(train.images, train.targets, cfg.seed)
+        # recorded in train_config.json's overrides, so that --resume rebuilds the same model
+        cfg = dataclasses.replace(cfg, overrides={**cfg.overrides, "class_weights": placement.class_weights})
+        reasons["class_weights"] = placement.reason()
+        if d.main:
+            log.info("class capsule transforms: %s (%s)", placement.class_weights, placement.reason())
+    config = model_config(cfg, manifest)
+    if not cfg.init:  # --init keeps the mean/std its weights were trained with
+        config = dataclasses.replace(config, **data_mean_std(train.images))
+        reasons["mean_std"] = f"from the {len(train)} training images"
+    return cfg, config, reasons
+
+
+def log_choices(plan: Plan, d: Dist) -> None:
+    """The run's log of what it chose, and a warning for an Adam step an SGD habit gave."""
+    cfg, config = plan.cfg, plan.config
+    if d.main:
+        log.info("augmentation: %s (%s)", cfg.augment, plan.reasons["augment"])
+        log.info(
+            "recipe: %s lr %g, weight decay %g, %s schedule, batch %d",
+            cfg.optimizer,
+            cfg.lr,
+            cfg.weight_decay,
+            cfg.schedule,
+            cfg.batch_size,
+        )
+        if cfg.optimizer in ("adam", "adamw") and cfg.lr > ADAM_LR_WARNING:
+            log.warning(
+                "--lr %g is an SGD-sized step; %s usually diverges or stalls above %g (its default is %g): "
+                "drop --lr, or give --optimizer sgd",
+                cfg.lr,
+                cfg.optimizer,
+                ADAM_LR_WARNING,
+                DEFAULT_LR[cfg.optimizer],
+            )
+    if plan.manifest is not None and not cfg.init:
+        log.info("mean/std from the %d training images: %s / %s", len(plan.data.train), config.mean, config.std)
+
+
+def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.device) -> Plan:
+    """Every choice of a run resolved from ``cfg`` and its data (``--resume``: as recorded), with the data loaded;
+    nothing built yet. A ``--data`` or ``--init`` that cannot work fails before the run folder exists."""
+    check_data_exists(cfg.data)  # before the run folder exists: a typo leaves nothing behind
+    given, manifest = cfg, read_manifest(cfg)
+    cfg = resolve_recipe(cfg, own_data=manifest is not None)  # recorded in train_config.json as resolved
+    if cfg.batch_size % d.world:
+        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes {d.world}")
+    config = model_config(cfg, manifest)
+    dataset = config.extra["data"]["dataset"]
+    if cfg.init and resume is None:
+        check_init(cfg.init, config.labels, cfg.label_map)
+    reasons = recipe_reasons(given, cfg, manifest is not None, resume)
+    out = Path(cfg.out)
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        if resume is None:
+            start_afresh(out)
+    skipped, test_split = 0, None
+    if manifest is not None:
+        data, test_split, skipped = load_own_training(manifest, config, out, d, device)
+        cfg, config, found = from_the_images(cfg, manifest, data.train, resume, d)
+        reasons.update(found)
+    else:
+        data = load_training(dataset, cfg.data, val_size_of(cfg, own=False), cfg.epoch_size, device)
+    cfg, fitted = fit_batch(cfg, data, given.batch_size is not None, d)
+    reasons["batch_size"] = fitted or reasons["batch_size"]
+    if cfg.augment is None:  # recorded in train_config.json (and every checkpoint) as resolved
+        cfg = dataclasses.replace(cfg, augment=default_augment(dataset))
+        reasons["augment"] = augment_reason(dataset)
+    reasons.setdefault("augment", "given")
+    reasons.setdefault("class_weights", "given" if "class_weights" in cfg.overrides else "the model config's")
+    reasons.setdefault("mean_std", "kept with --init (the model config's)" if cfg.init else "the model config's")
+    plan = Plan(cfg, config, reasons, data, manifest, test_split, skipped)
+    log_choices(plan, d)
+    return plan
