@@ -12,8 +12,10 @@ from capserve.runtime.precision import PRECISIONS, SAMPLE_SIZE, resolve_precisio
 
 from .calibration import DEFAULT_IMAGES, GATE_IMAGES
 from .gate import INT8_MAX_ACCURACY_LOSS, INT8_MIN_AGREEMENT
-from .int8 import MAX_FLOAT_NODES, METHODS, MIN_SPEEDUP, SPEED_BATCH, TARGETS, Int8Summary, export_int8, read_summary
+from .int8 import Int8Summary, export_int8, read_summary
 from .onnx import DEFAULT_OPSET, MIN_OPSET
+from .quantize import MAX_FLOAT_NODES, METHODS, TARGETS
+from .speed import MIN_SPEEDUP, SPEED_BATCH
 from .verify import DEFAULTS, compare, load_images, verify_int8
 
 

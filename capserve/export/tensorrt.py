@@ -120,7 +120,7 @@ def build_engine(
     check_batch_range(min_batch, opt_batch, max_batch)
     source = read_onnx(onnx_path, fp16)
     if int8 or source.precision == "int8":
-        from capserve.export.int8 import check_tensorrt_int8
+        from capserve.export.quantize import check_tensorrt_int8
 
         check_tensorrt_int8(onnx_path, source.data, source.precision, fp16)
     try:
