@@ -268,6 +268,7 @@ class Fp32Answers:
 
     @classmethod
     def of(cls, proto: Any, data: CalibrationSet) -> Fp32Answers:
+        """``proto`` opened (``runtime_for``) and run on ``data``'s calibration and held-out images."""
         fp32 = runtime_for(proto)
         return cls(fp32, fp32.predict_in_batches(data.images, 100), fp32.predict_in_batches(data.held_out, 100))
 
