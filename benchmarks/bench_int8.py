@@ -23,7 +23,9 @@ import numpy as np
 from capserve.data import load_test
 from capserve.data.preprocess import normalize_images
 from capserve.export.gate import accuracy
-from capserve.export.int8 import VARIANTS, export_int8, measure_speed, read_summary
+from capserve.export.int8 import export_int8, read_summary
+from capserve.export.quantize import VARIANTS
+from capserve.export.speed import measure_speed
 from capserve.hardware import cpu_info
 from capserve.runtime import load_runtime
 

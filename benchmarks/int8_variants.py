@@ -22,7 +22,7 @@ import onnx
 from capserve.configs import ModelConfig
 from capserve.export.calibration import read_calibration
 from capserve.export.gate import score
-from capserve.export.int8 import Quantizer, runtime_for
+from capserve.export.quantize import Quantizer, runtime_for
 from capserve.hardware import cpu_info
 
 ROOT = Path(__file__).resolve().parents[1]

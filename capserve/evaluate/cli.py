@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -95,39 +96,11 @@ def run(args: argparse.Namespace) -> int:
     c = model.config
     iterations = iterations_for(c, given)
     trained_T = c.iterations if c.has_routing else None
-    info = c.extra.get("data", {})
-    skipped = 0
     if is_own_data(args.data):
-        manifest = scan(args.data, args.label_separator)
-        dataset = manifest.kind
-        samples = own_samples(manifest, args.split, info.get("val_size"))[: args.limit]
-        check_labels(
-            Manifest(manifest.source, manifest.kind, {"train": [], args.split: samples}, True),
-            c.labels,
-            f"the model's labels ({checkpoint})",
-            (args.split,),
-        )
-        logits, targets, skipped = evaluate_own(
-            model, samples, manifest.source, iterations, args.batch_size, args.device
-        )
-        results = {T: metrics(c, logits[T], targets) for T in iterations}
-        images = len(targets)
+        results, dataset, images, skipped = evaluate_own_data(args, model, iterations, checkpoint)
     else:
-        dataset = info.get("dataset") or dataset_for(c.labels, c.task, c.image_size)
-        if dataset in ("folder", "csv"):
-            raise FileNotFoundError(
-                f"{c.name} was trained on your own images ({info.get('source')}); pass a folder "
-                f"or CSV of such images as --data, not {args.data}"
-            )
-        if args.split == "test":
-            split = load_test(dataset, args.data)
-        else:
-            split = load_validation(dataset, args.data, info.get("val_size", 5000))
-        if args.limit:
-            split = split.subset(torch.arange(min(args.limit, len(split))))
-        results = evaluate(model, split, iterations, args.batch_size, args.device)
-        images = len(split)
-    key = "exact_match" if c.task == "multi_label" else "top1"
+        results, dataset, images = evaluate_builtin(args, model, iterations)
+        skipped = 0
     results = {T: by_label(r, c.labels) for T, r in results.items()}
     report = {
         "model": c.name,
@@ -143,26 +116,98 @@ def run(args: argparse.Namespace) -> int:
         "thresholds": c.thresholds,
         "results": {"none" if T is None else T: r for T, r in results.items()},
     }
-    main = results.get(trained_T, results[iterations[-1]])
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
-        if c.has_routing:
-            plot_iterations(results, key, out / "iterations.png", f"{c.name}: {args.split} {key} vs T")
-        if c.task == "single_label":
-            T = trained_T if trained_T in results else iterations[-1]
-            at = "" if T is None else f", T = {T}"
-            plot_confusion(main["confusion"], c.labels, out / "confusion.png", f"{c.name}: {args.split}{at}")
+        write_outputs(Path(args.out), report, results, c, iterations, args.split)
     if args.json:
         print(json.dumps(report))
         return 0
+    print_results(report, results, c, iterations)
+    return 0
+
+
+def evaluate_own_data(
+    args: argparse.Namespace, model: Any, iterations: list[int | None], checkpoint: Path
+) -> tuple[dict[int | None, dict[str, Any]], str, int, int]:
+    """Metrics per T on the ``--split`` of the user's folder or CSV (every image when it names no splits), checked
+    against the model's labels; with the data's kind, the images evaluated and the unreadable ones skipped."""
+    c = model.config
+    manifest = scan(args.data, args.label_separator)
+    samples = own_samples(manifest, args.split, c.extra.get("data", {}).get("val_size"))[: args.limit]
+    check_labels(
+        Manifest(manifest.source, manifest.kind, {"train": [], args.split: samples}, True),
+        c.labels,
+        f"the model's labels ({checkpoint})",
+        (args.split,),
+    )
+    logits, targets, skipped = evaluate_own(model, samples, manifest.source, iterations, args.batch_size, args.device)
+    return {T: metrics(c, logits[T], targets) for T in iterations}, manifest.kind, len(targets), skipped
+
+
+def evaluate_builtin(
+    args: argparse.Namespace, model: Any, iterations: list[int | None]
+) -> tuple[dict[int | None, dict[str, Any]], str, int]:
+    """Metrics per T on the ``--split`` of the built-in dataset the model was trained on; with its name and the
+    images evaluated."""
+    c = model.config
+    info = c.extra.get("data", {})
+    dataset = info.get("dataset") or dataset_for(c.labels, c.task, c.image_size)
+    if dataset in ("folder", "csv"):
+        raise FileNotFoundError(
+            f"{c.name} was trained on your own images ({info.get('source')}); pass a folder "
+            f"or CSV of such images as --data, not {args.data}"
+        )
+    if args.split == "test":
+        split = load_test(dataset, args.data)
+    else:
+        split = load_validation(dataset, args.data, info.get("val_size", 5000))
+    if args.limit:
+        split = split.subset(torch.arange(min(args.limit, len(split))))
+    return evaluate(model, split, iterations, args.batch_size, args.device), dataset, len(split)
+
+
+def headline(
+    results: dict[int | None, dict[str, Any]], c: ModelConfig, iterations: list[int | None]
+) -> tuple[str, Any]:
+    """The main metric's name and the metrics shown per label: at the trained T, else at the last T evaluated."""
+    trained_T = c.iterations if c.has_routing else None
+    key = "exact_match" if c.task == "multi_label" else "top1"
+    return key, results.get(trained_T, results[iterations[-1]])
+
+
+def write_outputs(
+    out: Path,
+    report: dict[str, Any],
+    results: dict[int | None, dict[str, Any]],
+    c: ModelConfig,
+    iterations: list[int | None],
+    split: str,
+) -> None:
+    """evaluation.json, the main metric against T (with routing) and the confusion matrix (single-label)."""
+    key, main = headline(results, c, iterations)
+    trained_T = report["trained_iterations"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
+    if c.has_routing:
+        plot_iterations(results, key, out / "iterations.png", f"{c.name}: {split} {key} vs T")
+    if c.task == "single_label":
+        T = trained_T if trained_T in results else iterations[-1]
+        at = "" if T is None else f", T = {T}"
+        plot_confusion(main["confusion"], c.labels, out / "confusion.png", f"{c.name}: {split}{at}")
+
+
+def print_results(
+    report: dict[str, Any], results: dict[int | None, dict[str, Any]], c: ModelConfig, iterations: list[int | None]
+) -> None:
+    """The metrics per T as a table, then per label: F1 (multi-label), or precision, recall, F1 and the confusion
+    matrix."""
+    key, main = headline(results, c, iterations)
     tops = [k for k in results[iterations[0]] if k.startswith("top") and k != "top1"]
     second = "macro_f1" if c.task == "multi_label" else tops[0]
     third = ["ranked_recall"] if c.task == "multi_label" else []
+    skipped, trained_T = report["skipped_images"], report["trained_iterations"]
     skipped_note = f", {skipped} unreadable skipped" if skipped else ""
     trained = f"trained with T = {trained_T}" if c.has_routing else f"a CNN ({c.head} head): no routing iterations"
-    print(f"{c.name} on {dataset} {args.split} ({images} images{skipped_note}; {trained})")
+    print(f"{c.name} on {report['dataset']} {report['split']} ({report['images']} images{skipped_note}; {trained})")
     print(f"{'T':>3} {key:>12} {second:>10}" + "".join(f" {name:>14}" for name in third))
     for T in iterations:
         print(
@@ -182,4 +227,3 @@ def run(args: argparse.Namespace) -> int:
         print("confusion matrix (rows true, columns predicted):")
         for lab, row in zip(c.labels, main["confusion"], strict=True):
             print(f"{lab:>{width}} " + " ".join(f"{v:5d}" for v in row))
-    return 0

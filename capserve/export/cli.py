@@ -8,12 +8,15 @@ from pathlib import Path
 
 from capserve.errors import ExportError, UsageError
 from capserve.runtime import BACKENDS, infer_backend, load_runtime
+from capserve.runtime.metadata import ModelMetadata
 from capserve.runtime.precision import PRECISIONS, SAMPLE_SIZE, resolve_precision, sample_images
 
 from .calibration import DEFAULT_IMAGES, GATE_IMAGES
 from .gate import INT8_MAX_ACCURACY_LOSS, INT8_MIN_AGREEMENT
-from .int8 import MAX_FLOAT_NODES, METHODS, MIN_SPEEDUP, SPEED_BATCH, TARGETS, Int8Summary, export_int8, read_summary
+from .int8 import Int8Summary, export_int8, read_summary
 from .onnx import DEFAULT_OPSET, MIN_OPSET
+from .quantize import MAX_FLOAT_NODES, METHODS, TARGETS
+from .speed import MIN_SPEEDUP, SPEED_BATCH
 from .verify import DEFAULTS, compare, load_images, verify_int8
 
 
@@ -116,6 +119,12 @@ def add_int8_arguments(p: argparse.ArgumentParser) -> None:
         help="onnxruntime: uint8 activations for CPUs; tensorrt: symmetric int8 for `capserve export "
         "tensorrt --int8` (default %(default)s)",
     )
+    add_int8_gate_arguments(p)
+
+
+def add_int8_gate_arguments(p: argparse.ArgumentParser) -> None:
+    """``capserve export onnx --int8``'s bounds (agreement, accuracy, speed), the nodes it may leave in float to meet
+    them, and the flags that write the file when it does not."""
     p.add_argument(
         "--min-agreement",
         type=float,
@@ -274,22 +283,9 @@ def run_verify(args: argparse.Namespace) -> int:
     artifact = load_runtime(args.artifact, backend=args.backend, device=args.device, **options)
     meta = artifact.metadata
     reference = TorchRuntime(against, device="cpu", iterations=meta.iterations)
-    ref_meta = reference.metadata
-    for field in ("name", "labels", "task", "in_channels", "image_size", "mean", "std"):
-        if getattr(meta, field) != getattr(ref_meta, field):
-            raise UsageError(
-                f"{args.artifact} is a different model than {against}: {field} "
-                f"{getattr(meta, field)!r} vs {getattr(ref_meta, field)!r}"
-            )
-    weights_note = ""
-    if meta.weights_sha256 != ref_meta.weights_sha256:  # another file; maybe the same weights saved again
-        a, b = meta.weights_sha256[:12], ref_meta.weights_sha256[:12]
-        weights_note = f"; note: weights_sha256 differs ({a}… vs {b}…): exported from another weights file"
+    weights_note = check_same_model(args.artifact, against, meta, reference.metadata)
     precision = artifact.precision
-    atol, rtol, min_agreement = DEFAULTS.get(precision, DEFAULTS["fp32"])
-    atol = atol if args.atol is None else args.atol
-    rtol = rtol if args.rtol is None else args.rtol
-    min_agreement = min_agreement if args.min_agreement is None else args.min_agreement
+    atol, rtol, min_agreement = tolerances(args, precision)
 
     count = max(sizes)
     if args.images:
@@ -314,3 +310,28 @@ def run_verify(args: argparse.Namespace) -> int:
         )
     print("FAILED: tolerances exceeded" if failed else "passed")
     return 1 if failed else 0
+
+
+def check_same_model(artifact: str, against: str, meta: ModelMetadata, ref_meta: ModelMetadata) -> str:
+    """``UsageError`` when ``artifact`` is another model than the checkpoint ``against``; a note for the report
+    when it was exported from another weights file (maybe the same weights saved again)."""
+    for field in ("name", "labels", "task", "in_channels", "image_size", "mean", "std"):
+        if getattr(meta, field) != getattr(ref_meta, field):
+            raise UsageError(
+                f"{artifact} is a different model than {against}: {field} "
+                f"{getattr(meta, field)!r} vs {getattr(ref_meta, field)!r}"
+            )
+    if meta.weights_sha256 == ref_meta.weights_sha256:
+        return ""
+    a, b = meta.weights_sha256[:12], ref_meta.weights_sha256[:12]
+    return f"; note: weights_sha256 differs ({a}… vs {b}…): exported from another weights file"
+
+
+def tolerances(args: argparse.Namespace, precision: str) -> tuple[float, float, float]:
+    """``--atol``, ``--rtol`` and ``--min-agreement``, each defaulting to ``precision``'s (``DEFAULTS``)."""
+    atol, rtol, min_agreement = DEFAULTS.get(precision, DEFAULTS["fp32"])
+    return (
+        atol if args.atol is None else args.atol,
+        rtol if args.rtol is None else args.rtol,
+        min_agreement if args.min_agreement is None else args.min_agreement,
+    )

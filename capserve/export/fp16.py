@@ -36,85 +36,13 @@ def convert_to_fp16(model: Any, keep_fp32: Iterable[str] = KEEP_FP32) -> Any:
         ValueError: the graph has subgraphs (Loop/If) or tensors whose type cannot be inferred.
     """
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
 
-    FLOAT, FLOAT16 = TensorProto.FLOAT, TensorProto.FLOAT16
     keep = set(keep_fp32)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
-    except onnx.shape_inference.InferenceError as e:
-        raise ValueError(f"cannot convert to FP16: type inference failed ({e})") from e
-    g = inferred.graph
-    for node in g.node:
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-            raise ValueError(f"cannot convert to FP16: node {node.name!r} ({node.op_type}) has a subgraph")
-    dtype = {vi.name: vi.type.tensor_type.elem_type for vi in (*g.input, *g.output, *g.value_info)}
-    dtype.update({init.name: init.data_type for init in g.initializer})
-    taken = set(dtype) | {o for n in g.node for o in n.output}
-
-    def is_float(name: str) -> bool:
-        return bool(name) and dtype.get(name) == FLOAT
-
-    def fresh(name: str, suffix: str) -> str:
-        new = f"{name}_{suffix}"
-        while new in taken:
-            new += "_"
-        taken.add(new)
-        return new
-
-    def cast(src: str, dst: str, to: int) -> Any:
-        return helper.make_node("Cast", [src], [dst], to=to, name=f"{dst}_cast")
-
-    consumers: dict[str, list[Any]] = defaultdict(list)
-    for node in g.node:
-        for name in node.input:
-            consumers[name].append(node)
-    # initializers read only by FP32 ops stay FP32 (LayerNorm's scale and bias must match its input's type)
-    fp32_inits = {
-        i.name
-        for i in g.initializer
-        if i.data_type == FLOAT and consumers[i.name] and all(c.op_type in keep for c in consumers[i.name])
-    }
-    initializers = []
-    for init in g.initializer:
-        if init.data_type == FLOAT and init.name not in fp32_inits:
-            init = numpy_helper.from_array(_half(numpy_helper.to_array(init)), init.name)
-        initializers.append(init)
-
-    rename: dict[str, str] = {}  # graph inputs/outputs → their FP16 twin inside the graph
-    nodes = []
-    for inp in g.input:
-        if is_float(inp.name):
-            rename[inp.name] = fresh(inp.name, "fp16")
-            nodes.append(cast(inp.name, rename[inp.name], FLOAT16))
-    float_outputs = [o.name for o in g.output if is_float(o.name)]
-    for name in float_outputs:
-        rename[name] = fresh(name, "fp16")
-    as_fp32: dict[str, str] = {}  # FP16 tensor → its FP32 cast, shared by all FP32 consumers
-    for old in g.node:
-        node = onnx.NodeProto()
-        node.CopyFrom(old)
-        node.input[:] = [rename.get(n, n) for n in old.input]
-        node.output[:] = [rename.get(n, n) for n in old.output]
-        after = []
-        if old.op_type in keep:
-            for k, name in enumerate(old.input):
-                if is_float(name) and name not in fp32_inits:
-                    current = node.input[k]
-                    if current not in as_fp32:
-                        as_fp32[current] = fresh(current, "fp32")
-                        nodes.append(cast(current, as_fp32[current], FLOAT))
-                    node.input[k] = as_fp32[current]
-            for k, name in enumerate(old.output):
-                if is_float(name):
-                    current = node.output[k]
-                    node.output[k] = fresh(current, "fp32")
-                    after.append(cast(node.output[k], current, FLOAT16))
-        else:
-            _attributes_to_fp16(node)
-        nodes.append(node)
-        nodes.extend(after)
-    nodes.extend(cast(rename[name], name, FLOAT) for name in float_outputs)
+    g = _typed_graph(model)
+    tensors = _Tensors(g)
+    fp32_inits = _fp32_initializers(g, keep)
+    initializers = _fp16_initializers(g, fp32_inits)
+    nodes = _fp16_nodes(g, tensors, keep, fp32_inits)
 
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -126,6 +54,127 @@ def convert_to_fp16(model: Any, keep_fp32: Iterable[str] = KEEP_FP32) -> Any:
     except onnx.shape_inference.InferenceError as e:  # a bug here, not the user's
         raise AssertionError(f"FP16 conversion produced an inconsistent graph: {e}") from e
     return out
+
+
+def _typed_graph(model: Any) -> Any:
+    """``model``'s graph with every tensor's type inferred (``ValueError`` when one cannot be, or for a subgraph)."""
+    import onnx
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except onnx.shape_inference.InferenceError as e:
+        raise ValueError(f"cannot convert to FP16: type inference failed ({e})") from e
+    g = inferred.graph
+    for node in g.node:
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            raise ValueError(f"cannot convert to FP16: node {node.name!r} ({node.op_type}) has a subgraph")
+    return g
+
+
+class _Tensors:
+    """The tensor names of a typed graph as the conversion rewrites them: which are FP32, fresh names for the casts
+    it adds, the FP16 twins of float graph inputs and outputs, and the FP32 casts of FP16 tensors."""
+
+    def __init__(self, g: Any):
+        self.dtype = {vi.name: vi.type.tensor_type.elem_type for vi in (*g.input, *g.output, *g.value_info)}
+        self.dtype.update({init.name: init.data_type for init in g.initializer})
+        self.taken = set(self.dtype) | {o for n in g.node for o in n.output}
+        self.rename: dict[str, str] = {}  # graph inputs/outputs → their FP16 twin inside the graph
+        self.as_fp32: dict[str, str] = {}  # FP16 tensor → its FP32 cast, shared by all FP32 consumers
+
+    def is_float(self, name: str) -> bool:
+        from onnx import TensorProto
+
+        return bool(name) and self.dtype.get(name) == TensorProto.FLOAT
+
+    def fresh(self, name: str, suffix: str) -> str:
+        new = f"{name}_{suffix}"
+        while new in self.taken:
+            new += "_"
+        self.taken.add(new)
+        return new
+
+
+def _cast(src: str, dst: str, to: int) -> Any:
+    from onnx import helper
+
+    return helper.make_node("Cast", [src], [dst], to=to, name=f"{dst}_cast")
+
+
+def _fp32_initializers(g: Any, keep: set[str]) -> set[str]:
+    """The float initializers read only by ``keep`` ops: they stay FP32 (LayerNorm's scale and bias must match its
+    input's type)."""
+    from onnx import TensorProto
+
+    consumers: dict[str, list[Any]] = defaultdict(list)
+    for node in g.node:
+        for name in node.input:
+            consumers[name].append(node)
+    return {
+        i.name
+        for i in g.initializer
+        if i.data_type == TensorProto.FLOAT and consumers[i.name] and all(c.op_type in keep for c in consumers[i.name])
+    }
+
+
+def _fp16_initializers(g: Any, fp32_inits: set[str]) -> list[Any]:
+    """The graph's initializers, the float ones outside ``fp32_inits`` in FP16."""
+    from onnx import TensorProto, numpy_helper
+
+    initializers = []
+    for init in g.initializer:
+        if init.data_type == TensorProto.FLOAT and init.name not in fp32_inits:
+            init = numpy_helper.from_array(_half(numpy_helper.to_array(init)), init.name)
+        initializers.append(init)
+    return initializers
+
+
+def _fp16_nodes(g: Any, tensors: _Tensors, keep: set[str], fp32_inits: set[str]) -> list[Any]:
+    """The graph's nodes in FP16 (``_fp16_node``), after a Cast to FP16 of each float graph input and before a Cast
+    to FP32 of each float graph output."""
+    from onnx import TensorProto
+
+    nodes = []
+    for inp in g.input:
+        if tensors.is_float(inp.name):
+            tensors.rename[inp.name] = tensors.fresh(inp.name, "fp16")
+            nodes.append(_cast(inp.name, tensors.rename[inp.name], TensorProto.FLOAT16))
+    float_outputs = [o.name for o in g.output if tensors.is_float(o.name)]
+    for name in float_outputs:
+        tensors.rename[name] = tensors.fresh(name, "fp16")
+    for old in g.node:
+        nodes.extend(_fp16_node(old, tensors, keep, fp32_inits))
+    nodes.extend(_cast(tensors.rename[name], name, TensorProto.FLOAT) for name in float_outputs)
+    return nodes
+
+
+def _fp16_node(old: Any, tensors: _Tensors, keep: set[str], fp32_inits: set[str]) -> list[Any]:
+    """``old`` on the renamed tensors: a ``keep`` op between casts of its float inputs to FP32 (the first such cast
+    of a tensor is made here) and of its float outputs back to FP16; any other op with FP16 attributes."""
+    import onnx
+    from onnx import TensorProto
+
+    node = onnx.NodeProto()
+    node.CopyFrom(old)
+    node.input[:] = [tensors.rename.get(n, n) for n in old.input]
+    node.output[:] = [tensors.rename.get(n, n) for n in old.output]
+    if old.op_type not in keep:
+        _attributes_to_fp16(node)
+        return [node]
+    before, after = [], []
+    for k, name in enumerate(old.input):
+        if tensors.is_float(name) and name not in fp32_inits:
+            current = node.input[k]
+            if current not in tensors.as_fp32:
+                tensors.as_fp32[current] = tensors.fresh(current, "fp32")
+                before.append(_cast(current, tensors.as_fp32[current], TensorProto.FLOAT))
+            node.input[k] = tensors.as_fp32[current]
+    for k, name in enumerate(old.output):
+        if tensors.is_float(name):
+            current = node.output[k]
+            node.output[k] = tensors.fresh(current, "fp32")
+            after.append(_cast(node.output[k], current, TensorProto.FLOAT16))
+    return [*before, node, *after]
 
 
 def _half(array: np.ndarray) -> np.ndarray:

@@ -157,16 +157,9 @@ def diagnose(
     fails only on images unlike those it was calibrated on."""
     multi = metadata.task == "multi_label"
     fp32, int8 = held_out
-
-    def agree(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # (N,): the same decision
-        return (decisions(a, metadata) == decisions(b, metadata)).all(axis=1)
-
-    def shift(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # (N,): how far int8 moves each image's logits
-        return np.abs(b.astype(np.float64) - a).max(axis=1)
-
-    margins, same = decision_margins(fp32, metadata), agree(fp32, int8)  # (N,), (N,)
-    agreement, calibration_agreement = float(same.mean()), float(agree(*calibration).mean())
-    rounding = float(np.median(shift(*calibration)))
+    margins, same = decision_margins(fp32, metadata), _same_decision(fp32, int8, metadata)  # (N,), (N,)
+    agreement, calibration_agreement = float(same.mean()), float(_same_decision(*calibration, metadata).mean())
+    rounding = float(np.median(_logit_shift(*calibration)))
     reach = rounding * (1 if multi else 2)  # a flip of the top two moves both logits; a threshold decision one
     near = float((margins <= reach).mean())  # the held-out images int8's rounding alone can flip
     what = "the logit nearest its threshold" if multi else "top-1 minus runner-up logit"
@@ -178,21 +171,62 @@ def diagnose(
             else ""
         )
         + f"; on the calibration images int8 agrees on {calibration_agreement:.4f} and moves logits by "
-        f"{rounding:.3g} (median of each image's max |Δlogit|; {np.median(shift(fp32, int8)):.3g} on the "
+        f"{rounding:.3g} (median of each image's max |Δlogit|; {np.median(_logit_shift(fp32, int8)):.3g} on the "
         f"held-out), within reach of another decision for {near:.0%} of the held-out images"
     )
-    if multi:  # per label: that label's decision
+    title, classes = _lowest_agreements(fp32, int8, same, metadata)
+    causes = _likelier_causes(
+        near,
+        (agreement, calibration_agreement),
+        bound,
+        calibration_data,
+        max_float_nodes,
+        _logit_shift(fp32, int8).max(),
+    )
+    listed = "".join(f"\n  ({i}) {cause}" for i, cause in enumerate(causes, 1))
+    return f"Measured: {measured}; {title}: {classes}.\nLikelier causes, in order:{listed}"
+
+
+def _same_decision(a: np.ndarray, b: np.ndarray, metadata: ModelMetadata) -> np.ndarray:
+    """(N,): whether logits ``a`` and ``b`` (N, C) decide the same."""
+    return (decisions(a, metadata) == decisions(b, metadata)).all(axis=1)
+
+
+def _logit_shift(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """(N,): how far ``b`` (int8's logits, (N, C)) moves each image's logits from ``a``."""
+    return np.abs(b.astype(np.float64) - a).max(axis=1)
+
+
+def _lowest_agreements(
+    fp32: np.ndarray, int8: np.ndarray, same: np.ndarray, metadata: ModelMetadata
+) -> tuple[str, str]:
+    """What the agreement is split by and its ``SHOWN_CLASSES`` lowest parts: per label (multi-label: that label's
+    decision), else per class of fp32's answer (``same`` (N,): the images int8 decides as fp32)."""
+    if metadata.task == "multi_label":
         per = (decisions(int8, metadata) == decisions(fp32, metadata)).mean(axis=0)  # (C,)
         counts = np.full(len(per), len(fp32))
         title = "agreement per label, lowest"
-    else:  # per class of fp32's answer
+    else:
         answer = fp32.argmax(1)
         counts = np.bincount(answer, minlength=fp32.shape[1])
         per = np.array([same[answer == c].mean() if counts[c] else np.inf for c in range(fp32.shape[1])])
         title = "agreement per class of fp32's answer, lowest"
     order = [c for c in np.argsort(per, kind="stable") if np.isfinite(per[c])][:SHOWN_CLASSES]
-    classes = ", ".join(f"{metadata.labels[c]} {per[c]:.2f} of {counts[c]}" for c in order)
+    return title, ", ".join(f"{metadata.labels[c]} {per[c]:.2f} of {counts[c]}" for c in order)
 
+
+def _likelier_causes(
+    near: float,
+    agreements: tuple[float, float],
+    bound: float,
+    calibration_data: str,
+    max_float_nodes: int,
+    max_shift: float,
+) -> list[str]:
+    """The three causes, the likelier first: a weakly trained model, calibration images unlike the held-out ones,
+    layers too coarse in int8. ``near``: the share of held-out images within int8's rounding of another decision;
+    ``agreements``: int8's on the held-out and on the calibration images; ``max_shift``: its largest |Δlogit|."""
+    agreement, calibration_agreement = agreements
     weak = (
         f"the model decides by small margins (weakly trained?): {near:.0%} of the held-out images sit within "
         "int8's rounding of another decision, and no calibration changes that; train it further, or lower "
@@ -212,13 +246,10 @@ def diagnose(
             "them (--calibration-images)"
         )
     coarse = (
-        f"some layers lose too much to int8 (it moves logits by up to {shift(fp32, int8).max():.3g}): leave "
+        f"some layers lose too much to int8 (it moves logits by up to {max_shift:.3g}): leave "
         f"the most sensitive in float (--max-float-nodes, {max_float_nodes} this time; or --keep-float NODE), "
         "or try --calibration-method percentile"
     )
     if near >= 1 - bound:  # near-ties alone can account for failing the gate
-        causes = [weak, *((unlike, coarse) if covered else (coarse, unlike))]
-    else:
-        causes = [unlike, coarse, weak] if covered else [coarse, unlike, weak]
-    listed = "".join(f"\n  ({i}) {cause}" for i, cause in enumerate(causes, 1))
-    return f"Measured: {measured}; {title}: {classes}.\nLikelier causes, in order:{listed}"
+        return [weak, *((unlike, coarse) if covered else (coarse, unlike))]
+    return [unlike, coarse, weak] if covered else [coarse, unlike, weak]

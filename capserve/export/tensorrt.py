@@ -120,7 +120,7 @@ def build_engine(
     check_batch_range(min_batch, opt_batch, max_batch)
     source = read_onnx(onnx_path, fp16)
     if int8 or source.precision == "int8":
-        from capserve.export.int8 import check_tensorrt_int8
+        from capserve.export.quantize import check_tensorrt_int8
 
         check_tensorrt_int8(onnx_path, source.data, source.precision, fp16)
     try:
@@ -134,33 +134,13 @@ def build_engine(
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    flags = 0  # explicit batch is the only mode in TensorRT 10+
     major = int(trt.__version__.split(".")[0])
-    if source.precision == "fp16" and major < 11 and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
-        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)  # precision from the graph (11: always)
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse(source.data):
-        raise ExportError(f"TensorRT's ONNX parser rejected {onnx_path}:\n{parser_errors(parser)}")
-
-    config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
-    if source.precision == "int8" and major < 11:  # explicit quantization: the Q/DQ scales, INT8 kernels allowed
-        config.set_flag(trt.BuilderFlag.INT8)
-    if not tf32 and hasattr(trt.BuilderFlag, "TF32"):
-        config.clear_flag(trt.BuilderFlag.TF32)
-    profile = builder.create_optimization_profile()
-    chw = source.input_shape
-    profile.set_shape(source.input_name, (min_batch, *chw), (opt_batch, *chw), (max_batch, *chw))
-    config.add_optimization_profile(profile)
+    # the parser owns the weights the network points to: it stays alive until the engine is built
+    network, _parser = parse_network(trt, builder, logger, source, onnx_path, major)
+    config = builder_config(trt, builder, source, (min_batch, opt_batch, max_batch), workspace_gib, tf32, major)
     cache_path = Path(timing_cache) if timing_cache else None
     if cache_path is not None:
-        cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
-        if not config.set_timing_cache(cache, ignore_mismatch=False):  # made elsewhere: TensorRT ignores it
-            log.warning(
-                "timing cache %s was made by another TensorRT version or GPU: ignored, and overwritten by this build's",
-                cache_path,
-            )
+        use_timing_cache(config, cache_path)
 
     log.info(
         "building a TensorRT %s engine for %s on %s (batch %d..%d)",
@@ -174,17 +154,68 @@ def build_engine(
     if serialized is None:
         raise ExportError(f"TensorRT could not build an engine from {onnx_path} (see its log above)")
     engine = bytes(serialized)
-    engine_path = Path(engine_path)
-    engine_path.parent.mkdir(parents=True, exist_ok=True)
-    # each file renamed into place once whole: a build killed half-way leaves no partial engine, and an engine whose
-    # sidecar is still the old one fails the runtime's engine_sha256 check instead of loading
-    with partial_file(engine_path) as partial:
-        partial.write_bytes(engine)
-    if cache_path is not None:
-        with partial_file(cache_path) as partial:
-            partial.write_bytes(bytes(config.get_timing_cache().serialize()))
-    sidecar = EngineSidecar(
-        tensorrt_version=trt.__version__,
+    sidecar = engine_sidecar(trt.__version__, gpu, source, engine, (min_batch, opt_batch, max_batch))
+    return write_engine(Path(engine_path), engine, sidecar, config, cache_path)
+
+
+def parse_network(
+    trt: Any, builder: Any, logger: Any, source: OnnxSource, onnx_path: str | Path, major: int
+) -> tuple[Any, Any]:
+    """An explicit-batch network parsed from ``source`` (strongly typed for an FP16 graph on TensorRT 10; 11 always
+    is), and its parser (``ExportError`` with every parser error when it rejects the graph)."""
+    flags = 0  # explicit batch is the only mode in TensorRT 10+
+    if source.precision == "fp16" and major < 11 and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)  # precision from the graph (11: always)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(source.data):
+        raise ExportError(f"TensorRT's ONNX parser rejected {onnx_path}:\n{parser_errors(parser)}")
+    return network, parser
+
+
+def builder_config(
+    trt: Any,
+    builder: Any,
+    source: OnnxSource,
+    batches: tuple[int, int, int],
+    workspace_gib: float,
+    tf32: bool,
+    major: int,
+) -> Any:
+    """The builder config: the workspace limit, INT8 kernels for a Q/DQ graph on TensorRT 10, TF32 off unless
+    ``tf32``, and one optimisation profile over the batch axis (``batches``: min, opt, max)."""
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
+    if source.precision == "int8" and major < 11:  # explicit quantization: the Q/DQ scales, INT8 kernels allowed
+        config.set_flag(trt.BuilderFlag.INT8)
+    if not tf32 and hasattr(trt.BuilderFlag, "TF32"):
+        config.clear_flag(trt.BuilderFlag.TF32)
+    profile = builder.create_optimization_profile()
+    chw = source.input_shape
+    min_batch, opt_batch, max_batch = batches
+    profile.set_shape(source.input_name, (min_batch, *chw), (opt_batch, *chw), (max_batch, *chw))
+    config.add_optimization_profile(profile)
+    return config
+
+
+def use_timing_cache(config: Any, cache_path: Path) -> None:
+    """Build with the timing cache at ``cache_path`` (a new one without the file); a warning when TensorRT ignores
+    it."""
+    cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
+    if not config.set_timing_cache(cache, ignore_mismatch=False):  # made elsewhere: TensorRT ignores it
+        log.warning(
+            "timing cache %s was made by another TensorRT version or GPU: ignored, and overwritten by this build's",
+            cache_path,
+        )
+
+
+def engine_sidecar(
+    tensorrt_version: str, gpu: str, source: OnnxSource, engine: bytes, batches: tuple[int, int, int]
+) -> EngineSidecar:
+    """What the TensorRT runtime checks before it loads ``engine`` (``batches``: min, opt, max)."""
+    min_batch, opt_batch, max_batch = batches
+    return EngineSidecar(
+        tensorrt_version=tensorrt_version,
         gpu_name=gpu,
         onnx_sha256=source.sha256,
         engine_sha256=sha256_bytes(engine),
@@ -196,6 +227,20 @@ def build_engine(
         precision=source.precision,
         metadata=source.metadata,
     )
+
+
+def write_engine(
+    engine_path: Path, engine: bytes, sidecar: EngineSidecar, config: Any, cache_path: Path | None
+) -> Path:
+    """Write the engine, the timing cache (``config``'s, when ``cache_path``) and the sidecar; ``engine_path``."""
+    engine_path.parent.mkdir(parents=True, exist_ok=True)
+    # each file renamed into place once whole: a build killed half-way leaves no partial engine, and an engine whose
+    # sidecar is still the old one fails the runtime's engine_sha256 check instead of loading
+    with partial_file(engine_path) as partial:
+        partial.write_bytes(engine)
+    if cache_path is not None:
+        with partial_file(cache_path) as partial:
+            partial.write_bytes(bytes(config.get_timing_cache().serialize()))
     with partial_file(sidecar_path(engine_path)) as partial:
         partial.write_text(sidecar.to_json())
     log.info("wrote %s and %s", engine_path, sidecar_path(engine_path))

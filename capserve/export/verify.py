@@ -21,8 +21,9 @@ from capserve.runtime.precision import BF16_MIN_AGREEMENT, agreement
 
 from .calibration import GATE_IMAGES, read_calibration
 from .gate import INT8_MAX_ACCURACY_LOSS, score
-from .int8 import fp32_graph, read_summary, runtime_for
+from .int8 import fp32_graph, read_summary
 from .onnx import load_checkpoint
+from .quantize import runtime_for
 
 log = logging.getLogger(__name__)
 

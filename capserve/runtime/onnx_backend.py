@@ -111,6 +111,47 @@ def installed_onnxruntimes() -> list[str]:
     return found
 
 
+def import_onnxruntime() -> Any:
+    """The ``onnxruntime`` module (``RuntimeLoadError`` when it is missing, or installed twice: CPU and GPU)."""
+    try:
+        import onnxruntime as ort
+    except ImportError as e:
+        raise RuntimeLoadError(
+            "onnxruntime is not installed: pip install 'capserve[export]' "
+            "(or 'capserve[gpu]' for onnxruntime-gpu on NVIDIA machines)"
+        ) from e
+    if len(installed_onnxruntimes()) > 1:
+        raise RuntimeLoadError(
+            "both onnxruntime and onnxruntime-gpu are installed: they install one module, "
+            "and mixed they leave no working CUDA provider. GPU machines: `pip uninstall -y "
+            "onnxruntime onnxruntime-gpu && pip install 'capserve[gpu]'`; CPU machines: "
+            "`pip uninstall -y onnxruntime-gpu onnxruntime && pip install "
+            "'capserve[serve]'`"
+        )
+    return ort
+
+
+def session_options(ort: Any, graph_optimization: str, threads: int, memory_arena: bool, spinning: bool) -> Any:
+    """``onnxruntime.SessionOptions`` as ``OnnxRuntime`` documents its arguments."""
+    options = ort.SessionOptions()
+    # by default threads sleep between runs instead of spinning: a server runs torch and other sessions beside it
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "1" if spinning else "0")
+    options.graph_optimization_level = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }[graph_optimization]
+    options.intra_op_num_threads = threads
+    options.enable_cpu_mem_arena = memory_arena
+    # batch sizes vary from call to call (adaptive batching): a memory pattern is planned and kept per input
+    # shape, which costs more memory than it saves time (docs/benchmarks.md)
+    options.enable_mem_pattern = False
+    options.log_severity_level = 3  # errors only: provider fallbacks are checked and reported in OnnxRuntime
+    return options
+
+
 def _name(provider: Provider) -> str:
     return provider if isinstance(provider, str) else provider[0]
 
@@ -153,51 +194,33 @@ class OnnxRuntime(Runtime):
         spinning: bool = False,
         int8_check: bool = True,
     ):
-        try:
-            import onnxruntime as ort
-        except ImportError as e:
-            raise RuntimeLoadError(
-                "onnxruntime is not installed: pip install 'capserve[export]' "
-                "(or 'capserve[gpu]' for onnxruntime-gpu on NVIDIA machines)"
-            ) from e
-        if len(installed_onnxruntimes()) > 1:
-            raise RuntimeLoadError(
-                "both onnxruntime and onnxruntime-gpu are installed: they install one module, "
-                "and mixed they leave no working CUDA provider. GPU machines: `pip uninstall -y "
-                "onnxruntime onnxruntime-gpu && pip install 'capserve[gpu]'`; CPU machines: "
-                "`pip uninstall -y onnxruntime-gpu onnxruntime && pip install "
-                "'capserve[serve]'`"
-            )
+        ort = import_onnxruntime()
         if graph_optimization not in OPTIMIZATION_LEVELS:
             raise ValueError(f"graph_optimization must be one of {OPTIMIZATION_LEVELS}, got {graph_optimization!r}")
         self.path = Path(path)
         requested = list(providers) if providers else providers_for(device)
-        options = ort.SessionOptions()
-        # by default threads sleep between runs instead of spinning: a server runs torch and other sessions beside it
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-        options.add_session_config_entry("session.inter_op.allow_spinning", "1" if spinning else "0")
-        options.graph_optimization_level = {
-            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-        }[graph_optimization]
-        options.intra_op_num_threads = threads
-        options.enable_cpu_mem_arena = memory_arena
-        # batch sizes vary from call to call (adaptive batching): a memory pattern is planned and kept per input
-        # shape, which costs more memory than it saves time (docs/benchmarks.md)
-        options.enable_mem_pattern = False
-        options.log_severity_level = 3  # errors only: provider fallbacks are checked and reported below
+        options = session_options(ort, graph_optimization, threads, memory_arena, spinning)
+        self.session = self._open_session(ort, options, requested)
+        self.metadata = self._read_metadata()
+        self.precision = self.session.get_modelmeta().custom_metadata_map.get(PRECISION_KEY, "fp32")
+        self.input_name, self.explainable = self._check_inputs_and_outputs()
+        self.chunk_size = self._chunk_size(memory_budget_mb)
+        if self.precision == "int8" and int8_check:
+            self.precision_reason = check_int8(self)
+
+    def _open_session(self, ort: Any, options: Any, requested: list[Provider]) -> Any:
+        """The session on ``requested`` providers (``RuntimeLoadError`` when the file does not load, or when it runs
+        on another provider than the first requested)."""
         try:
             with warnings.catch_warnings():  # "provider not available": checked and reported below
                 warnings.filterwarnings("ignore", message="Specified provider", category=UserWarning)
-                self.session = ort.InferenceSession(str(self.path), options, providers=requested)
+                session = ort.InferenceSession(str(self.path), options, providers=requested)
         except Exception as e:  # onnxruntime raises its own pybind exception types
             raise RuntimeLoadError(
                 f"{self.path} is not a loadable ONNX model ({type(e).__name__}: {e}); "
                 "is it truncated? Re-export it with `capserve export onnx`"
             ) from e
-        active = self.session.get_providers()
+        active = session.get_providers()
         if _name(requested[0]) not in active:
             raise RuntimeLoadError(
                 f"{_name(requested[0])} was requested but the session runs on {active} "
@@ -205,8 +228,11 @@ class OnnxRuntime(Runtime):
                 "when CUDA, cuDNN or TensorRT libraries or the GPU are missing: install the versions it needs, "
                 "or use device='cpu'"
             )
-        self.metadata = self._read_metadata()
-        self.precision = self.session.get_modelmeta().custom_metadata_map.get(PRECISION_KEY, "fp32")
+        return session
+
+    def _check_inputs_and_outputs(self) -> tuple[str, bool]:
+        """The image input's name, checked against the metadata, and whether the graph has the part-whole output
+        (``RuntimeLoadError`` for a graph ``capserve export onnx`` did not write)."""
         inputs = self.session.get_inputs()
         outputs = [o.name for o in self.session.get_outputs()]
         if len(inputs) != 1 or LOGITS not in outputs:
@@ -214,16 +240,12 @@ class OnnxRuntime(Runtime):
                 f"{self.path} has inputs {[i.name for i in inputs]} and outputs {outputs}; "
                 f"expected one image input and a {LOGITS!r} output (`capserve export onnx`)"
             )
-        self.input_name = inputs[0].name
         if inputs[0].type != "tensor(float)" or list(inputs[0].shape[1:]) != list(self.metadata.input_shape):
             raise RuntimeLoadError(
                 f"{self.path}: input {inputs[0].type} {inputs[0].shape} does not match its "
                 f"metadata's float (B, {self.metadata.input_shape}); re-export it"
             )
-        self.explainable = PART_WHOLE in outputs
-        self.chunk_size = self._chunk_size(memory_budget_mb)
-        if self.precision == "int8" and int8_check:
-            self.precision_reason = check_int8(self)
+        return inputs[0].name, PART_WHOLE in outputs
 
     def _config(self) -> ModelConfig | None:
         """The exported architecture: from the file, or for files exported before it was recorded there, the named

@@ -33,14 +33,9 @@ from capserve.errors import ExportError, Int8GateError, RuntimeLoadError
 from capserve.export.calibration import read_calibration
 from capserve.export.gate import INT8_MAX_ACCURACY_LOSS
 from capserve.export.gate import INT8_MIN_AGREEMENT as MIN_AGREEMENT
-from capserve.export.int8 import (
-    INT8_KEY,
-    MIN_SPEEDUP,
-    export_int8,
-    read_summary,
-    search_float_nodes,
-    variants_for,
-)
+from capserve.export.int8 import INT8_KEY, export_int8, read_summary
+from capserve.export.quantize import search_float_nodes, variants_for
+from capserve.export.speed import MIN_SPEEDUP
 from capserve.hardware import cpu_info
 from capserve.runtime import load_runtime
 from capserve.runtime.metadata import INT8_CHECK_KEY, Int8Check

@@ -28,8 +28,10 @@ from capserve.cli import main
 from capserve.configs import ModelConfig
 from capserve.errors import Int8GateError, Int8SpeedError
 from capserve.export.gate import INT8_MAX_ACCURACY_LOSS, score_logits
-from capserve.export.int8 import MIN_SPEEDUP, SPEED_BATCH, export_int8, read_summary, variants_for
+from capserve.export.int8 import export_int8, read_summary
 from capserve.export.onnx import export_onnx, load_checkpoint
+from capserve.export.quantize import variants_for
+from capserve.export.speed import MIN_SPEEDUP, SPEED_BATCH
 from capserve.hardware import cpu_info
 from capserve.runtime.metadata import ModelMetadata
 
