@@ -1,5 +1,5 @@
 """The shape of the package: no import circle anywhere (imports inside functions included), one table of backbones,
-and every module importable on its own."""
+every module importable on its own, and no module or function too long to hold in one's head."""
 
 from __future__ import annotations
 
@@ -171,3 +171,33 @@ def test_every_package_states_its_public_names(package):
     module = importlib.import_module(package)
     assert isinstance(getattr(module, "__all__", None), list), f"{package} has no __all__"
     assert [name for name in module.__all__ if not hasattr(module, name)] == []
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80
+
+
+def too_long(path: Path) -> list[str]:
+    """``path`` if it is over ``MAX_MODULE_LINES`` lines, and each of its functions over ``MAX_FUNCTION_LINES``."""
+    source = path.read_text()
+    found = [f"{path.name}: {n} lines"] if (n := len(source.splitlines())) > MAX_MODULE_LINES else []
+    for node in ast.walk(ast.parse(source)):
+        is_function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        if is_function and (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+            found.append(f"{path.name}:{node.lineno} {node.name}: {n} lines")
+    return found
+
+
+def test_every_module_and_function_fits_in_a_readers_head():
+    assert [line for path in MODULES.values() for line in too_long(path)] == []
+
+
+def test_the_size_finder_finds_a_long_module_and_a_long_function(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    short, long = tmp_path / "short.py", tmp_path / "long.py"
+    short.write_text(f"def f():\n{body[: body.rindex(chr(10))]}\n")
+    long.write_text(f"def f():\n{body}\n" + "\n" * MAX_MODULE_LINES)
+    assert too_long(short) == []
+    assert too_long(long) == [
+        f"long.py: {MAX_FUNCTION_LINES + 1 + MAX_MODULE_LINES} lines",
+        f"long.py:1 f: {MAX_FUNCTION_LINES + 1} lines",
+    ]
