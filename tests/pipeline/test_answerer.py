@@ -5,6 +5,7 @@ their places, or the whole request for ``/classify_batch``."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import io
 from pathlib import Path
@@ -166,3 +167,16 @@ def test_the_same_bytes_over_http_give_predictors_rows(tmp_path):
         assert batch.status_code == 200
         for a, b in zip(batch.json(), predictor.predict(GOOD), strict=True):
             assert_same(a, b)
+
+
+def test_the_pipeline_and_predict_refuse_by_kind_never_by_status():
+    """No ``RequestError`` made below the server takes a literal (a status), and no HTTP status number is written
+    there: the server's ``STATUSES`` is the one place that chooses them."""
+    for source in [*(ROOT / "capserve" / "pipeline").glob("*.py"), *(ROOT / "capserve" / "predict").glob("*.py")]:
+        tree = ast.parse(source.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "RequestError":
+                assert not isinstance(node.args[0], ast.Constant), (source, node.lineno)
+            if isinstance(node, ast.Constant) and type(node.value) is int:
+                assert not 400 <= node.value < 600, (source, node.lineno)
+        assert "HTTPStatus" not in source.read_text(), source
