@@ -23,13 +23,13 @@ from capserve.pipeline.decoding import Upload
 from capserve.pipeline.errors import ErrorKind, RequestError
 from capserve.pipeline.models import OpenOptions, open_model
 
-__all__ = ["RECORDED", "Item", "Predictor"]
+__all__ = ["RECORDED", "Item", "Predictor", "record", "upload"]
 
 Item = str | Path | bytes | Image.Image | np.ndarray
 
 
-# each kind of refusal → True: the image's row says why and the run goes on; False: the run stops (a kind that
-# refuses the request, not one image: ``capserve predict`` sends no request that could be refused so)
+# each kind of refusal → True: the image's row says why and the run goes on; False: the run stops, for a kind that
+# is a state of a server rather than a fault of one image (no image of ``capserve predict`` meets one)
 RECORDED: dict[ErrorKind, bool] = {
     ErrorKind.BAD_INPUT: True,
     ErrorKind.TOO_LARGE: True,
