@@ -1,13 +1,31 @@
 """``/explain``: the part-whole parse as numbers (routing vs uniform, selectivity) and as a heat-map PNG, and occlusion
-sensitivity (where greying the image lowers the predicted class's probability) as numbers and as a PNG."""
+sensitivity (where greying the image lowers the predicted class's probability) as numbers and as a PNG; ``explained``
+puts them together into the answer."""
 
 from __future__ import annotations
 
+import base64
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from capserve.data.preprocess import normalize_images
+from capserve.pipeline.answers import top_labels
+from capserve.pipeline.schemas import Capsule, Explained, Occluded
+from capserve.runtime import Runtime
+from capserve.runtime.outputs import softmax
+
+__all__ = [
+    "Occlusion",
+    "explained",
+    "heatmap_png",
+    "occlusion",
+    "occlusion_png",
+    "selectivity",
+    "vs_uniform",
+]
 
 # A diverging blue → pale → red ramp for the heat-map (no plotting library in the server): the middle is uniform.
 RAMP = np.array(
@@ -176,3 +194,53 @@ def occlusion_png(image: np.ndarray, occluded: Occlusion, scale: int = 8, alpha:
     buffer = io.BytesIO()
     Image.fromarray(blended, "RGB").save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------------- the answer
+
+
+def explained(
+    pixels: np.ndarray, explainer: Runtime, logits_of: Callable[[np.ndarray], np.ndarray], capsules: int
+) -> Explained:
+    """``/explain``'s answer for one image uint8 (C, H, W): ``explainer``'s prediction and part-whole parse (the
+    ``capsules`` grid capsules routing most strongly to the predicted class), and the occlusion map of the served
+    model, whose logits ``logits_of`` gives for uint8 images (B, C, H, W)."""
+    meta = explainer.metadata
+    explanation = explainer.explain(normalize_images(pixels[None], meta))
+    occluded = occlusion(pixels, np.asarray(meta.mean), logits_of)
+    probabilities = softmax(explanation.logits)[0]  # (C,)
+    C = len(meta.labels)
+    routing = explanation.part_whole[0, int(probabilities.argmax())]  # (H, W, I)
+    _, W, I = routing.shape
+    order = np.argsort(-routing.reshape(-1), kind="stable")[: min(capsules, routing.size)]
+    top = [
+        Capsule(
+            type=int(k % I),
+            row=int(k // (W * I)),
+            col=int(k // I % W),
+            routing_probability=float(routing.flat[k]),
+            vs_uniform=float(routing.flat[k] * C),
+        )
+        for k in order
+    ]
+    grid = routing.mean(axis=-1)  # (H, W)
+    return Explained(
+        model=meta.name,
+        iterations=meta.iterations,
+        prediction=top_labels(probabilities, meta.labels, 1)[0],
+        uniform=1.0 / C,
+        selectivity=selectivity(explanation.part_whole[0]),
+        grid=grid.tolist(),
+        capsules=top,
+        heatmap_png=base64.b64encode(heatmap_png(pixels, vs_uniform(grid, C))).decode(),
+        occlusion=Occluded(
+            probability=occluded.probability,
+            log_odds=occluded.log_odds,
+            window=occluded.patch,
+            starts=occluded.starts,
+            probabilities=occluded.probabilities.tolist(),
+            drop=occluded.drop.tolist(),
+            forward_passes=occluded.forward_passes,
+            heatmap_png=base64.b64encode(occlusion_png(pixels, occluded)).decode(),
+        ),
+    )

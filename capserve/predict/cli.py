@@ -26,12 +26,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
-import numpy as np
-
 from capserve.data.progress import progress_bar
 from capserve.errors import UsageError
 from capserve.predict.inputs import expand
-from capserve.predict.predictor import Predictor, pixels_or_error
+from capserve.predict.predictor import Predictor
 from capserve.runtime import BACKENDS
 
 log = logging.getLogger(__name__)
@@ -138,8 +136,8 @@ def batches(paths: Iterator[str], size: int) -> Iterator[list[str]]:
 def answer_stream(
     predictor: Predictor, paths: Iterator[str], batch_size: int, workers: int
 ) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(path, record) in the input's order; decoding runs ``PREFETCH_BATCHES`` batches ahead in ``workers`` threads
-    while the runtime answers the oldest batch."""
+    """(path, record) in the input's order; decoding (``Predictor.pixels``) runs ``PREFETCH_BATCHES`` batches ahead
+    in ``workers`` threads while the runtime answers the oldest batch (``Predictor.answer``)."""
     pending: deque[tuple[list[str], list[Future]]] = deque()
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="decode") as pool:
         chunks = batches(paths, batch_size)
@@ -148,7 +146,7 @@ def answer_stream(
             chunk = next(chunks, None)
             if chunk is None:
                 return False
-            pending.append((chunk, [pool.submit(pixels_or_error, predictor, p) for p in chunk]))
+            pending.append((chunk, [pool.submit(predictor.pixels, p) for p in chunk]))
             return True
 
         while len(pending) < PREFETCH_BATCHES + 1 and submit():
@@ -156,11 +154,8 @@ def answer_stream(
         while pending:
             chunk, futures = pending.popleft()
             submit()
-            items = [f.result() for f in futures]
-            good = [x for x in items if isinstance(x, np.ndarray)]
-            answers = iter(predictor.answer(np.stack(good)) if good else [])
-            for path, item in zip(chunk, items, strict=True):
-                yield path, next(answers) if isinstance(item, np.ndarray) else {"error": item}
+            records = predictor.answer([f.result() for f in futures])
+            yield from zip(chunk, records, strict=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,28 +17,54 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from capserve.data.images import DEFAULT_MAX_PIXELS, ImageError, image_to_array
-from capserve.pipeline.decoding import RequestError, decode
-from capserve.pipeline.inference import answers_of
+from capserve.data.images import DEFAULT_MAX_PIXELS
+from capserve.pipeline.answerer import Answer, Answerer
+from capserve.pipeline.decoding import Upload
+from capserve.pipeline.errors import ErrorKind, RequestError
 from capserve.pipeline.models import OpenOptions, open_model
-from capserve.runtime.outputs import answer_options
+
+__all__ = ["RECORDED", "Item", "Predictor", "record", "upload"]
 
 Item = str | Path | bytes | Image.Image | np.ndarray
 
 
-def pixels_or_error(predictor: Predictor, item: Item) -> np.ndarray | str:
-    """``predictor.pixels(item)``, or the error record's words: the server's for an image, ``the image: ...``
-    otherwise."""
+# each kind of refusal → True: the image's row says why and the run goes on; False: the run stops, for a kind that
+# is a state of a server rather than a fault of one image (no image of ``capserve predict`` meets one)
+RECORDED: dict[ErrorKind, bool] = {
+    ErrorKind.BAD_INPUT: True,
+    ErrorKind.TOO_LARGE: True,
+    ErrorKind.TOO_SMALL: True,
+    ErrorKind.UNSUPPORTED: True,
+    ErrorKind.UNAVAILABLE: False,
+    ErrorKind.BUSY: False,
+}
+
+
+def record(result: Answer | RequestError) -> dict[str, Any]:
+    """One image's row: the JSON body the server would send, or ``{"error": "the image: ..."}`` (the server's
+    words); a refusal ``RECORDED`` does not keep as a row raises."""
+    if not isinstance(result, RequestError):
+        return result.model_dump()
+    if not RECORDED[result.kind]:
+        raise result
+    return {"error": str(result)}
+
+
+def upload(item: Item) -> Upload | RequestError:
+    """An item as the pipeline takes it: a file read into bytes, anything else as it is; a file that cannot be read
+    (or a PIL image whose data cannot be loaded) is refused in its place, as the server words a bad image."""
     try:
-        return predictor.pixels(item)
-    except RequestError as e:
-        return str(e)
-    except (ImageError, OSError) as e:
-        return f"the image: {e}"
+        if isinstance(item, (str, Path)):
+            return Path(item).read_bytes()
+        if isinstance(item, Image.Image):
+            item.load()
+    except OSError as e:
+        return RequestError(ErrorKind.BAD_INPUT, f"the image: {e}")
+    return item
 
 
 class Predictor:
-    """A model opened once, answering batches of images as the server does.
+    """A model opened once, answering batches of images as the server does (``capserve.pipeline.Answerer``).
 
     Args:
         model: what ``capserve serve`` takes: a model folder, an exported ``.onnx`` (or INT8) file, a TensorRT
@@ -69,37 +95,23 @@ class Predictor:
     ) -> None:
         options = OpenOptions(backend=backend, device=device, precision=precision, iterations=iterations)
         self.runtime, _, self.source = open_model(str(model), options, explain=False)
-        self.metadata = meta = self.runtime.metadata
-        self.multi_label = meta.task == "multi_label"
-        self.top_k, self.threshold = answer_options(len(meta.labels), top_k, threshold, self.multi_label)
-        self.max_pixels = max_pixels
+        self.metadata = self.runtime.metadata
+        self.answerer = Answerer(self.runtime, max_pixels)  # answers as the model's task: /classify or /multilabel
+        self.top_k, self.threshold = self.answerer.options(top_k, threshold)
 
-    def pixels(self, item: Item) -> np.ndarray:
-        """One image → uint8 (C, H, W) for the model, by the service's own decoding; ``RequestError`` (bytes and
-        files: the server's message), ``ImageError`` (arrays) or ``OSError`` (a file that cannot be read)."""
-        if isinstance(item, (str, Path)):
-            item = Path(item).read_bytes()
-        if isinstance(item, bytes):
-            return decode(item, self.runtime, self.max_pixels)  # the service's decoding and words
-        if isinstance(item, np.ndarray):
-            if item.dtype != np.uint8 or item.ndim not in (2, 3):
-                raise ImageError(f"an image array must be uint8 (H, W) or (H, W, C), got {item.dtype} {item.shape}")
-            item = Image.fromarray(item)
-        return image_to_array(item, self.metadata)
+    def pixels(self, item: Item) -> np.ndarray | RequestError:
+        """One image → uint8 (C, H, W) for the model, by the service's own decoding, or the ``RequestError`` that
+        refused it (the server's words)."""
+        return self.answerer.decoded(upload(item))
 
-    def answer(self, pixels: np.ndarray) -> list[dict[str, Any]]:
-        """uint8 (B, C, H, W) → the answers, as the JSON bodies the server would send."""
-        answers = answers_of(self.runtime, pixels, self.top_k, self.threshold)  # the service's own answers
-        return [a.model_dump() for a in answers]
+    def answer(self, decoded: Sequence[np.ndarray | RequestError]) -> list[dict[str, Any]]:
+        """What ``pixels`` gave for each image → one row per image, in order (``record``)."""
+        return [record(r) for r in self.answerer.answer_pixels(decoded, self.top_k, self.threshold)]
 
     def predict(self, items: Sequence[Item]) -> list[dict[str, Any]]:
         """One record per item, in order: the answer, or ``{"error": "the image: ..."}`` (the server's words)."""
-        decoded: list[np.ndarray | str] = []
-        for item in items:
-            decoded.append(pixels_or_error(self, item))
-        good = [d for d in decoded if isinstance(d, np.ndarray)]
-        answers = iter(self.answer(np.stack(good)) if good else [])
-        return [next(answers) if isinstance(d, np.ndarray) else {"error": d} for d in decoded]
+        results = self.answerer.answer([upload(item) for item in items], self.top_k, self.threshold)
+        return [record(r) for r in results]
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, np.ndarray]:
         """Ray Data's ``map_batches``: a batch with a ``path`` column (files) or an ``image`` column (arrays, as

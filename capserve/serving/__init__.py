@@ -8,7 +8,7 @@ imported only inside the functions that need it.
 
 from __future__ import annotations
 
-from capserve.pipeline.decoding import RequestError
+from capserve.pipeline.errors import RequestError
 from capserve.pipeline.schemas import Classification, Explained, MultiLabel
 from capserve.serving.app import Capsules
 from capserve.serving.guard import GUARDED_UPLOAD, RequestGuard

@@ -1,6 +1,6 @@
 """The request logic of the HTTP service: ``Capsules`` (the served models, loaded once and warmed up, and one method
-per endpoint) and ``http_error``, which turns a ``RequestError`` into BentoML's answer with its status; decoding
-and answers are ``capserve.pipeline``'s.
+per endpoint) and ``http_error``, which turns a ``RequestError`` into BentoML's answer with the status ``STATUSES``
+gives its kind; images become answers through ``capserve.pipeline.Answerer``, the composition every caller uses.
 
 ``service.py`` is a thin BentoML shell over ``Capsules``. BentoML is imported only inside the functions that need
 it (its exception types, its version); adaptive batching is ``capserve.serving.batching``'s, model loading
@@ -9,7 +9,6 @@ it (its exception types, its version); adaptive batching is ``capserve.serving.b
 
 from __future__ import annotations
 
-import base64
 import functools
 import logging
 from dataclasses import asdict
@@ -19,17 +18,16 @@ from typing import Any
 import anyio
 import numpy as np
 
-from capserve.data.images import ImageTooLargeError
 from capserve.data.preprocess import normalize_images
 from capserve.errors import ConfigurationError, InputError
-from capserve.pipeline.answers import classifications, multilabel_answers, top_labels
-from capserve.pipeline.decoding import RequestError, Upload, decode
-from capserve.pipeline.explain import Occlusion, heatmap_png, occlusion, occlusion_png, selectivity, vs_uniform
+from capserve.pipeline.answerer import Answer, Answerer
+from capserve.pipeline.decoding import Upload, decode
+from capserve.pipeline.errors import ErrorKind, RequestError
+from capserve.pipeline.explain import explained
 from capserve.pipeline.inference import logits_of
 from capserve.pipeline.models import ARTIFACTS, EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model
-from capserve.pipeline.schemas import Capsule, Classification, Explained, MultiLabel, Occluded
-from capserve.runtime import Explanation, Runtime
-from capserve.runtime.outputs import answer_options, softmax
+from capserve.pipeline.schemas import Classification, Explained, MultiLabel
+from capserve.runtime import Runtime
 from capserve.serving.batching import (
     ENDPOINTS,
     INLINE_DECODE_BYTES,
@@ -44,26 +42,38 @@ from capserve.serving.settings import Settings
 from capserve.serving.tuned import CHOICES
 from capserve.serving.workers import Worker, assign
 
+__all__ = ["STATUSES", "Capsules", "http_error"]
+
 log = logging.getLogger("capserve.service")
 
 
 # ---------------------------------------------------------------------------- request errors
 
 
-_HTTP_ERRORS: dict[int, type] = {}
+# each kind of refusal → its HTTP status (the README's error table): the one place the service chooses them
+STATUSES: dict[ErrorKind, HTTPStatus] = {
+    ErrorKind.BAD_INPUT: HTTPStatus.BAD_REQUEST,
+    ErrorKind.TOO_LARGE: HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+    ErrorKind.TOO_SMALL: HTTPStatus.UNPROCESSABLE_ENTITY,
+    ErrorKind.UNSUPPORTED: HTTPStatus.UNPROCESSABLE_ENTITY,
+    ErrorKind.UNAVAILABLE: HTTPStatus.NOT_IMPLEMENTED,
+    ErrorKind.BUSY: HTTPStatus.SERVICE_UNAVAILABLE,
+}
+
+
+_HTTP_ERRORS: dict[HTTPStatus, type] = {}
 
 
 def http_error(error: RequestError) -> Exception:
-    """``error`` as the BentoML exception that makes BentoML answer with its status (its ``error_code``); its
-    message is kept for the answer's body (``remember_error``)."""
+    """``error`` as the BentoML exception that makes BentoML answer with its kind's status (its ``error_code``);
+    its message is kept for the answer's body (``remember_error``)."""
     from bentoml.exceptions import BentoMLException
 
     remember_error(str(error))
-    if error.status not in _HTTP_ERRORS:
-        _HTTP_ERRORS[error.status] = type(
-            f"HTTP{error.status}", (BentoMLException,), {"error_code": HTTPStatus(error.status)}
-        )
-    return _HTTP_ERRORS[error.status](str(error))
+    status = STATUSES[error.kind]
+    if status not in _HTTP_ERRORS:
+        _HTTP_ERRORS[status] = type(f"HTTP{status.value}", (BentoMLException,), {"error_code": status})
+    return _HTTP_ERRORS[status](str(error))
 
 
 # ---------------------------------------------------------------------------- the service's logic
@@ -71,9 +81,10 @@ def http_error(error: RequestError) -> Exception:
 
 class Capsules:
     """What the service does, for ``service.py`` to expose: the runtimes (loaded once and warmed up), adaptive
-    batching of single-image requests, and one method per endpoint. Bad requests raise ``error(RequestError)``
-    (``http_error``: BentoML's exceptions, answered with the right status). ``worker`` is this server process's
-    share of the machine (``capserve.serving.workers.assign``; default: the only worker, all of it).
+    batching of single-image requests, and one method per endpoint, each answering through the model's
+    ``Answerer``. Bad requests raise ``error(RequestError)`` (``http_error``: BentoML's exceptions, answered with
+    the right status). ``worker`` is this server process's share of the machine (``capserve.serving.workers.assign``;
+    default: the only worker, all of it).
 
     ``input_shapes`` maps each pixel-tensor route to the (C, H, W) its model takes, for ``RequestGuard`` and the
     OpenAPI document."""
@@ -84,25 +95,19 @@ class Capsules:
             self.worker = worker or assign(settings, 0, 1)
             self.settings = settings = self.worker.settings(settings)  # its device and threads
             self.runtime, self.explainer, self.source = open_model(settings.model, settings)
-            self.multilabel_runtime: Runtime | None = None
-            self.multilabel_source: ModelSource | None = None
-            if settings.multilabel_model.lower() != "none":
-                # no explanation graph: /explain serves the single-label model only
-                self.multilabel_runtime, _, self.multilabel_source = open_model(
-                    settings.multilabel_model, settings, explain=False
-                )
-                if self.multilabel_runtime.metadata.task != "multi_label":
-                    raise ConfigurationError(
-                        f"CAPSERVE_MULTILABEL_MODEL={settings.multilabel_model} is a "
-                        f"{self.multilabel_runtime.metadata.task} model; give a multi_label "
-                        "one or 'none'"
-                    )
+            self.multilabel_runtime, self.multilabel_source = self._open_multilabel(settings)
             runtimes = {False: self.runtime, True: self.multilabel_runtime}  # multilabel → its runtime
+            # multilabel → the route's answers: /classify's whatever the model's task, /multilabel's
+            self.answerers = {
+                multilabel: Answerer(runtime, settings.max_pixels, settings.max_batch_size, multi_label=multilabel)
+                for multilabel, runtime in runtimes.items()
+                if runtime is not None
+            }
             self.batching = settings.max_batch_size > 1
             # multilabel → adaptive batching of its single-image requests (their own ONNX Runtime session on CPUs)
-            infer = functools.partial(self.run, self.predict)
+            infer = functools.partial(self.run, logits_of)
             self.batchers = {
-                multilabel: Batcher(runtime, settings, ENDPOINTS[multilabel], infer, self.fail)
+                multilabel: Batcher(runtime, settings, ENDPOINTS[multilabel], infer, self.shed)
                 for multilabel, runtime in runtimes.items()
                 if runtime is not None and self.batching
             }
@@ -130,6 +135,20 @@ class Capsules:
                 # tracebacks of what the line above already said (leave_failed_worker)
                 leave_failed_worker()
             raise
+
+    @staticmethod
+    def _open_multilabel(settings: Settings) -> tuple[Runtime | None, ModelSource | None]:
+        """The multi-label model's runtime and source; (None, None) when the server is started without one."""
+        if settings.multilabel_model.lower() == "none":
+            return None, None
+        # no explanation graph: /explain serves the single-label model only
+        runtime, _, source = open_model(settings.multilabel_model, settings, explain=False)
+        if runtime.metadata.task != "multi_label":
+            raise ConfigurationError(
+                f"CAPSERVE_MULTILABEL_MODEL={settings.multilabel_model} is a "
+                f"{runtime.metadata.task} model; give a multi_label one or 'none'"
+            )
+        return runtime, source
 
     def _warm_up(self) -> None:
         """One inference per loaded runtime (and explanation graph): readiness means a real answer came back."""
@@ -168,14 +187,18 @@ class Capsules:
             f"up to {self.settings.max_batch_size}" if self.batching else "off",
         )
 
-    def fail(self, status: int, message: str) -> Exception:
-        return self.error(RequestError(status, message))
+    def refuse(self, kind: ErrorKind, message: str) -> Exception:
+        """The exception that answers this request as refused for ``kind`` (``error``)."""
+        return self.error(RequestError(kind, message))
 
-    def predict(self, runtime: Runtime, pixels: np.ndarray, batch_size: int | None = None) -> np.ndarray:
-        """uint8 (B, C, H, W) → float32 logits (B, classes), ``batch_size`` images at a time (default all); bad
-        pixels or shapes are 400s."""
+    def shed(self, status: int, message: str) -> Exception:
+        """``Batcher``'s refusal: it refuses only the requests it sheds under load, with that status."""
+        return self.refuse(ErrorKind.BUSY, message)
+
+    def here(self, function: Any, *args: Any) -> Any:
+        """``function(*args)`` on the event loop; its RequestErrors become ``error``'s exceptions."""
         try:
-            return logits_of(runtime, pixels, batch_size)
+            return function(*args)
         except RequestError as e:
             raise self.error(e) from e
 
@@ -186,167 +209,105 @@ class Capsules:
         except RequestError as e:
             raise self.error(e) from e
 
-    def multilabel_model(self) -> Runtime:
-        if self.multilabel_runtime is None:
-            raise self.fail(501, NO_MULTILABEL_MODEL)
-        return self.multilabel_runtime
+    def answerer(self, multilabel: bool = False) -> Answerer:
+        """The route's ``Answerer``; the multi-label one when the server has none: 501."""
+        if multilabel not in self.answerers:
+            raise self.refuse(ErrorKind.UNAVAILABLE, NO_MULTILABEL_MODEL)
+        return self.answerers[multilabel]
 
     async def logits(self, pixels: np.ndarray, multilabel: bool = False) -> np.ndarray:
         """Logits (B, classes) for uint8 pixels (B, C, H, W), without adaptive batching (the batchable APIs)."""
-        runtime = self.multilabel_model() if multilabel else self.runtime
-        return await self.run(self.predict, runtime, pixels)
+        return await self.run(self.answerer(multilabel).logits, pixels)
 
-    async def upload_logits(self, image: Upload, multilabel: bool = False) -> np.ndarray:
-        """Logits (1, classes) of one uploaded image, the server picking by load: when no other single-image
-        request is in progress, decoding and inference run in one worker-thread hop (batching would only wait);
-        otherwise the decoded image joins adaptive batching (when it is on). Answers are the same either way."""
-        runtime = self.multilabel_model() if multilabel else self.runtime
-        max_pixels = self.settings.max_pixels
-
-        def decode_and_predict() -> np.ndarray:
-            pixels = decode(image, runtime, max_pixels)[None]  # (1, C, H, W)
-            return self.predict(runtime, pixels)  # (1, classes)
-
+    async def answer_one(
+        self, image: Upload, multilabel: bool = False, top_k: int | None = None, threshold: float | None = None
+    ) -> Answer:
+        """The answer for one uploaded image, the server picking by load: when no other single-image request is
+        in progress, the answerer's ``answer`` runs in one worker-thread hop (batching would only wait); otherwise
+        the decoded image joins adaptive batching (when it is on). Answers are the same either way."""
+        answerer = self.answerer(multilabel)
+        top_k, threshold = self.here(answerer.options, top_k, threshold)
         self._pending[multilabel] += 1
         try:
-            if not self.batching:
-                return await self.run(decode_and_predict)
-            if self._pending[multilabel] == 1:
+            if self.batching and self._pending[multilabel] > 1:
+                pixels = self.decode_small(answerer, image)
+                if pixels is None:
+                    pixels = await self.run(answerer.decode, image)
+                logits = await self.batchers[multilabel](pixels[None])  # (1, classes)
+                return answerer.answers(logits, top_k, threshold)[0]
+            if self.batching:
                 batch_size_histogram().labels(endpoint=ENDPOINTS[multilabel]).observe(1)
-                return await self.run(decode_and_predict)
-            pixels = self.decode_small(image, runtime)
-            if pixels is None:
-                pixels = await self.run(decode, image, runtime, max_pixels)
-            return await self.batchers[multilabel](pixels[None])
+            (answer,) = await self.run(answerer.answer, [image], top_k, threshold)
+            if isinstance(answer, RequestError):
+                raise self.error(answer)
+            return answer
         finally:
             self._pending[multilabel] -= 1
 
-    def decode_small(self, image: Upload, runtime: Runtime) -> np.ndarray | None:
+    def decode_small(self, answerer: Answerer, image: Upload) -> np.ndarray | None:
         """``image`` decoded right here, on the event loop, when it is small (``INLINE_DECODE_BYTES``,
         ``INLINE_DECODE_PIXELS``); None when it is larger: a worker thread decodes it. Bad images raise as
         ``decode`` does."""
         if not isinstance(image, bytes) or len(image) > INLINE_DECODE_BYTES:
             return None
         try:
-            return decode(image, runtime, min(self.settings.max_pixels, INLINE_DECODE_PIXELS))
+            return answerer.decode(image, max_pixels=min(self.settings.max_pixels, INLINE_DECODE_PIXELS))
         except RequestError as e:
-            if isinstance(e.__cause__, ImageTooLargeError):
+            if e.kind is ErrorKind.TOO_LARGE:
                 return None  # only too large to decode here: a worker thread checks it against the real limit
             raise self.error(e) from e
 
-    def options(
-        self, runtime: Runtime, top_k: int | None = None, threshold: float | None = None, multi_label: bool = False
-    ) -> tuple[int, float | None]:
-        """A request's ``top_k`` and ``threshold`` for ``runtime``'s model (``answer_options``); out of range: 400."""
-        try:
-            return answer_options(len(runtime.metadata.labels), top_k, threshold, multi_label)
-        except ValueError as e:
-            raise self.fail(400, str(e)) from e
-
     async def classify(self, image: Upload, top_k: int | None = None) -> Classification:
-        meta = self.runtime.metadata
-        top_k, _ = self.options(self.runtime, top_k)
-        return classifications(await self.upload_logits(image), meta, top_k)[0]
+        return await self.answer_one(image, top_k=top_k)
 
     async def classify_batch(self, files: list[Upload], top_k: int | None = None) -> list[Classification]:
-        meta, settings = self.runtime.metadata, self.settings
         if not files:
-            raise self.fail(400, "send at least one image in the multipart field 'images'")
-        if len(files) > settings.max_images:
-            raise self.fail(
-                413, f"{len(files)} images in one request; the limit is {settings.max_images} (CAPSERVE_MAX_IMAGES)"
+            raise self.refuse(ErrorKind.BAD_INPUT, "send at least one image in the multipart field 'images'")
+        if len(files) > self.settings.max_images:
+            raise self.refuse(
+                ErrorKind.TOO_LARGE,
+                f"{len(files)} images in one request; the limit is {self.settings.max_images} (CAPSERVE_MAX_IMAGES)",
             )
-        top_k, _ = self.options(self.runtime, top_k)
-
-        def run() -> np.ndarray:
-            pixels = [decode(path, self.runtime, settings.max_pixels, f"image {i}") for i, path in enumerate(files)]
-            return self.predict(self.runtime, np.stack(pixels), batch_size=settings.max_batch_size)  # (B, C, H, W)
-
-        return classifications(await self.run(run), meta, top_k)
+        # one request: the first bad image refuses it whole, named by its position
+        return await self.run(self.answerer().answer, files, top_k, None, True)
 
     async def multilabel(self, image: Upload, threshold: float | None) -> MultiLabel:
-        runtime = self.multilabel_model()
-        meta = runtime.metadata
-        _, threshold = self.options(runtime, threshold=threshold, multi_label=True)
-        return multilabel_answers(await self.upload_logits(image, multilabel=True), meta, threshold)[0]
+        return await self.answer_one(image, multilabel=True, threshold=threshold)
 
-    async def explain(self, image: Upload, capsules: int) -> Explained:
-        explainer = self.explainer
+    def served_explainer(self) -> Runtime:
+        """The runtime /explain runs on; 501 when the model has no routing or no explanation graph."""
         if not has_routing(self.runtime):
-            raise self.fail(
-                501,
+            raise self.refuse(
+                ErrorKind.UNAVAILABLE,
                 f"{self.runtime.metadata.name} is a CNN without routing: there is no part-whole "
                 "parse to explain; /explain needs a capsule network",
             )
-        if explainer is None:
-            model = self.source.path
-            if not model.is_dir():  # one graph file: the export and the torch backend need the model folder
-                raise self.fail(
-                    501,
-                    f"{self.settings.model} is one graph file, without {EXPLAIN_ARTIFACT}: serve the model folder "
-                    f"it was exported from, after `capserve export onnx FOLDER -o FOLDER/{EXPLAIN_ARTIFACT} "
-                    "--explain`, or that folder with CAPSERVE_BACKEND=torch",
-                )
-            raise self.fail(
-                501,
-                f"{self.settings.model} has no {EXPLAIN_ARTIFACT}: run `capserve export onnx "
-                f"{model} -o {model / EXPLAIN_ARTIFACT} --explain` or serve with "
-                "CAPSERVE_BACKEND=torch",
+        if self.explainer is not None:
+            return self.explainer
+        model = self.source.path
+        if not model.is_dir():  # one graph file: the export and the torch backend need the model folder
+            raise self.refuse(
+                ErrorKind.UNAVAILABLE,
+                f"{self.settings.model} is one graph file, without {EXPLAIN_ARTIFACT}: serve the model folder "
+                f"it was exported from, after `capserve export onnx FOLDER -o FOLDER/{EXPLAIN_ARTIFACT} "
+                "--explain`, or that folder with CAPSERVE_BACKEND=torch",
             )
-        meta = explainer.metadata
-        pixels = await self.run(decode, image, explainer, self.settings.max_pixels)
-
-        def run() -> Explanation:
-            x = normalize_images(pixels[None], meta)
-            return explainer.explain(x)
-
-        def occlude() -> Occlusion:  # every occluded copy in one call, split into the server's batches
-            def logits_of(copies: np.ndarray) -> np.ndarray:
-                return self.predict(self.runtime, copies, batch_size=self.settings.max_batch_size)
-
-            return occlusion(pixels, np.asarray(self.runtime.metadata.mean), logits_of)
-
-        explanation = await self.run(run)
-        occluded = await self.run(occlude)
-        probabilities = softmax(explanation.logits)[0]  # (C,)
-        c = int(probabilities.argmax())
-        C = len(meta.labels)
-        routing = explanation.part_whole[0, c]  # (H, W, I)
-        _, W, I = routing.shape
-        order = np.argsort(-routing.reshape(-1), kind="stable")[: min(capsules, routing.size)]
-        top = [
-            Capsule(
-                type=int(k % I),
-                row=int(k // (W * I)),
-                col=int(k // I % W),
-                routing_probability=float(routing.flat[k]),
-                vs_uniform=float(routing.flat[k] * C),
-            )
-            for k in order
-        ]
-        grid = routing.mean(axis=-1)  # (H, W)
-        png = await self.run(heatmap_png, pixels, vs_uniform(grid, C))
-        occlusion_map = await self.run(occlusion_png, pixels, occluded)
-        return Explained(
-            model=meta.name,
-            iterations=meta.iterations,
-            prediction=top_labels(probabilities, meta.labels, 1)[0],
-            uniform=1.0 / C,
-            selectivity=selectivity(explanation.part_whole[0]),
-            grid=grid.tolist(),
-            capsules=top,
-            heatmap_png=base64.b64encode(png).decode(),
-            occlusion=Occluded(
-                probability=occluded.probability,
-                log_odds=occluded.log_odds,
-                window=occluded.patch,
-                starts=occluded.starts,
-                probabilities=occluded.probabilities.tolist(),
-                drop=occluded.drop.tolist(),
-                forward_passes=occluded.forward_passes,
-                heatmap_png=base64.b64encode(occlusion_map).decode(),
-            ),
+        raise self.refuse(
+            ErrorKind.UNAVAILABLE,
+            f"{self.settings.model} has no {EXPLAIN_ARTIFACT}: run `capserve export onnx "
+            f"{model} -o {model / EXPLAIN_ARTIFACT} --explain` or serve with "
+            "CAPSERVE_BACKEND=torch",
         )
+
+    async def explain(self, image: Upload, capsules: int) -> Explained:
+        explainer = self.served_explainer()
+        pixels = await self.run(decode, image, explainer, self.settings.max_pixels)
+        served = self.answerer()
+
+        def logits(copies: np.ndarray) -> np.ndarray:  # every occluded copy in one call, in the server's batches
+            return served.logits(copies, self.settings.max_batch_size)
+
+        return await self.run(explained, pixels, explainer, logits, capsules)
 
     def describe(self) -> dict[str, Any]:
         """GET /model: the served models (with their store tags), batching, limits, versions."""

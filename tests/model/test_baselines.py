@@ -257,7 +257,7 @@ def test_fine_tuning_a_cnn_restarts_its_classifier_when_the_labels_differ(tmp_pa
 
 def test_service_torch_backend_serves_a_cnn_and_explain_says_why_not(checkpoints, tmp_path):
     from capserve.errors import ConfigurationError
-    from capserve.pipeline.decoding import RequestError
+    from capserve.pipeline.errors import ErrorKind, RequestError
     from capserve.serving.app import Capsules
     from capserve.serving.settings import Settings
 
@@ -278,7 +278,7 @@ def test_service_torch_backend_serves_a_cnn_and_explain_says_why_not(checkpoints
     assert asyncio.run(capsules.multilabel(image, None)).iterations is None
     with pytest.raises(RequestError, match="is a CNN without routing") as error:
         asyncio.run(capsules.explain(image, 5))
-    assert error.value.status == 501
+    assert error.value.kind is ErrorKind.UNAVAILABLE  # a 501 over HTTP
     with pytest.raises(ConfigurationError, match="without routing: routing iterations do not apply"):
         Capsules(Settings(model=str(single), multilabel_model="none", backend="torch", iterations=3))
 

@@ -1,5 +1,6 @@
 """``logits_of``, the one pixels -> logits step of the service and ``Predictor``: integer pixels outside [0, 255]
-are refused in the server's words (a 400), never wrapped into other pixels, for in-process callers too."""
+are refused as bad input in the server's words (a 400 there), never wrapped into other pixels, for in-process
+callers too."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from capserve.pipeline.decoding import RequestError
+from capserve.pipeline.errors import ErrorKind, RequestError
 from capserve.pipeline.inference import logits_of
 from capserve.pipeline.models import OpenOptions, open_model
 
@@ -16,10 +17,10 @@ SHIPPED = Path(__file__).resolve().parents[2] / "models" / "cifar10"
 
 
 @pytest.mark.parametrize("value", [256, -1])
-def test_integer_pixels_outside_0_255_are_a_400_not_wrapped(value):
+def test_integer_pixels_outside_0_255_are_bad_input_not_wrapped(value):
     runtime, _, _ = open_model(str(SHIPPED), OpenOptions(), explain=False)
     good = np.full((1, 3, 32, 32), 7, dtype=np.int64)
     assert logits_of(runtime, good).shape == (1, len(runtime.metadata.labels))
     with pytest.raises(RequestError, match=r"integer pixels in \[0, 255\]") as e:
         logits_of(runtime, np.full((1, 3, 32, 32), value, dtype=np.int64))
-    assert e.value.status == 400
+    assert e.value.kind is ErrorKind.BAD_INPUT

@@ -18,6 +18,8 @@ from support.inprocess import in_process_service
 from support.server import encode
 
 from capserve.errors import ConfigurationError
+from capserve.pipeline.errors import ErrorKind, RequestError
+from capserve.serving.app import http_error
 from capserve.serving.cli import server_environment
 from capserve.serving.guard import QuietClientErrors, one_error_shape
 from capserve.serving.openapi import IMAGE_PART_TYPES
@@ -205,11 +207,11 @@ def test_the_501_of_capserve_serve_model_names_the_option_and_the_variable(servi
     assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
 
 
-def http_error_record(status: int) -> logging.LogRecord:
-    from capserve.pipeline.decoding import RequestError
-    from capserve.serving.app import http_error
+def http_error_record(kind: ErrorKind | None) -> logging.LogRecord:
+    """BentoML's "Exception on PATH" record of a refusal of ``kind`` (``http_error``); None: of a server fault."""
+    from bentoml.exceptions import InternalServerError
 
-    error = http_error(RequestError(status, "x"))
+    error = http_error(RequestError(kind, "x")) if kind is not None else InternalServerError("x")
     return logging.LogRecord(
         "bentoml", logging.ERROR, __file__, 1, "Exception on /explain", None, (type(error), error, None)
     )
@@ -219,9 +221,10 @@ def test_bentoml_traceback_is_dropped_for_501_and_503_and_kept_for_500():
     """A 501 raised in a request (/explain without its graph) and a 503 (a request shed under overload) are logged
     as one line by the guard; BentoML's traceback is kept for real faults."""
     quiet = QuietClientErrors()
-    assert not quiet.filter(http_error_record(501)) and not quiet.filter(http_error_record(400))
-    assert not quiet.filter(http_error_record(503))
-    assert quiet.filter(http_error_record(500))
+    assert not quiet.filter(http_error_record(ErrorKind.UNAVAILABLE))
+    assert not quiet.filter(http_error_record(ErrorKind.BAD_INPUT))
+    assert not quiet.filter(http_error_record(ErrorKind.BUSY))
+    assert quiet.filter(http_error_record(None))
 
 
 @pytest.mark.parametrize(("status", "level"), [(503, logging.WARNING), (501, logging.WARNING), (500, logging.ERROR)])
