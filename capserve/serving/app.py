@@ -191,8 +191,8 @@ class Capsules:
         """The exception that answers this request as refused for ``kind`` (``error``)."""
         return self.error(RequestError(kind, message))
 
-    def shed(self, status: int, message: str) -> Exception:
-        """``Batcher``'s refusal: it refuses only the requests it sheds under load, with that status."""
+    def shed(self, message: str) -> Exception:
+        """``Batcher``'s refusal of a request it sheds under load."""
         return self.refuse(ErrorKind.BUSY, message)
 
     def here(self, function: Any, *args: Any) -> Any:

@@ -102,8 +102,8 @@ class Batcher:
 
     The batches run on ``runtime`` (``batch_runtime`` of the served one), at most ``in_flight`` at once, each
     through ``infer(runtime, pixels)`` (B, C, H, W) → logits (B, classes). A request that the engine expects to
-    wait longer than ``CAPSERVE_MAX_LATENCY_MS`` is shed: it raises ``fail(503, message)``, and the shedding is
-    logged at most once per ``SHED_LOG_SECONDS``.
+    wait longer than ``CAPSERVE_MAX_LATENCY_MS`` is shed: it raises ``shed(message)`` (the server answers 503), and
+    the shedding is logged at most once per ``SHED_LOG_SECONDS``.
 
     The engine is BentoML's (the ``CorkDispatcher`` behind batchable APIs), called in-process: BentoML 1.4.40's
     in-process client to a batchable API (``self.to_async``) loses responses under concurrency (aiohttp "Server
@@ -117,13 +117,13 @@ class Batcher:
         settings: Settings,
         endpoint: str,
         infer: Callable[[Runtime, np.ndarray], Awaitable[np.ndarray]],
-        fail: Callable[[int, str], Exception],
+        shed: Callable[[str], Exception],
     ):
         self.runtime = batch_runtime(runtime, settings)
         self.settings, self.endpoint = settings, endpoint
         apart = self.runtime is not runtime  # a session of its own (ONNX Runtime on a CPU): the worker's threads split
         self.in_flight = batches_for(settings.threads or 1) if apart else 1  # else 1, BentoML's default
-        self._infer, self._fail = infer, fail
+        self._infer, self._refuse_shed = infer, shed
         self.dispatcher: Any = None  # BentoML's CorkDispatcher, once started
         self._batched: Any = None
         self.shed, self._logged = 0, -float("inf")  # requests shed so far; when that was last logged
@@ -174,8 +174,7 @@ class Batcher:
                 1e3 * optimizer.o_a,
                 1e3 * optimizer.o_b,
             )
-        raise self._fail(
-            503,
+        raise self._refuse_shed(
             f"the server is overloaded: adaptive batching expects this request to wait over {budget} ms "
             "(CAPSERVE_MAX_LATENCY_MS); retry later",
         )
