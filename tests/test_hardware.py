@@ -66,3 +66,18 @@ def test_every_benchmark_prints_the_cpu_it_ran_on_first():
             continue
         first = ast.unparse(main.body[0])
         assert first.startswith("print(") and "cpu_info().describe()" in first, f"{script.name}: {first}"
+
+
+def test_a_cgroup_limit_caps_the_cores_whatever_this_machines_count(tmp_path, monkeypatch):
+    """A 1.5-CPU container on an 8-core node gets 2 cores' threads, a 4-CPU one on a 2-core machine keeps its 2:
+    the smaller of affinity and quota, rounded up, on any machine the suite runs on."""
+    import capserve.hardware as hardware
+
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs (cgroup v2: quota, then period)
+    assert hardware.available_cores(tmp_path) == 2
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert hardware.available_cores(tmp_path) == 8
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    (tmp_path / "cpu.max").write_text("400000 100000\n")  # 4 CPUs allowed, 2 to run on
+    assert hardware.available_cores(tmp_path) == 2

@@ -214,3 +214,23 @@ def test_an_export_losing_points_at_a_passing_agreement_is_refused(folder, tmp_p
     with pytest.raises(Int8GateError, match=r"agreement 0\.9600 .* 4\.00 points lost \(bound 2\.00\)"):
         export_int8(CIFAR10, tmp_path / "m.onnx", folder, images=16, min_agreement=0.95, cpu=VNNI, max_float_nodes=0)
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_the_inputs_a_graph_records_are_ones_it_decided_as_fp32_on(tiny):
+    """The start-up check re-runs the recorded images where the graph is opened: were they images on which int8
+    decided otherwise, the graph would refuse itself on the very machine that exported and gated it."""
+    from capserve.data.preprocess import normalize_numpy
+    from capserve.export.int8 import check_record
+    from capserve.runtime import load_runtime
+    from capserve.runtime.precision import agreement
+
+    int8 = load_runtime(tiny / "model.onnx")  # stands in for the int8 graph: what it decides is all that counts
+    meta = int8.metadata
+    pixels = np.random.default_rng(0).integers(0, 256, (40, *meta.input_shape), dtype=np.uint8)
+    images = normalize_numpy(pixels, meta.mean, meta.std)
+    fp32 = flip_every(4)(int8.predict_in_batches(images, 100))  # fp32 decides otherwise on every 4th image
+    record = check_record(int8, pixels, images, fp32, 0.97, AVX2)
+    recorded = record.images()
+    assert len(recorded) == 30
+    assert not any((recorded == image).all(axis=(1, 2, 3)).any() for image in pixels[::4])
+    assert agreement(np.asarray(record.fp32_logits), np.asarray(record.int8_logits), meta) == 1.0

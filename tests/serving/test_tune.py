@@ -329,3 +329,64 @@ def test_a_tuned_artifact_is_the_graph_served_from_the_model_folder(tiny_cifar10
     assert Path(runtime.path).name == "other.onnx" and explainer is not None
     with pytest.raises(ConfigurationError, match="has no model.onnx"):
         open_model(settings.model, Settings.from_env(env))  # without the tuned file: model.onnx, which is gone
+
+
+@pytest.mark.parametrize(("cores", "workers"), [(2, {1, 2}), (8, {1, 2, 3, 4})])
+def test_tune_measures_every_number_of_workers_up_to_the_cores(tmp_path, cores, workers):
+    """On 2 cores, 2 workers is the configuration users ask about (docs/deploy.md, "Workers"): tune measures it,
+    and chooses it when it serves most."""
+    cpu = dataclasses.replace(HERE, cores=cores)
+    standin = StandIn({"onnxruntime fp32 2x1 b32": 90.0, "onnxruntime fp32 2x4 b32": 90.0})
+    result = tune(tmp_path, 10_000, standin, cpu=cpu, clock=standin.clock, candidates=[Candidate(threads=cores)])
+    assert {c.workers for c in standin.calls} == workers
+    assert result.chosen.candidate.workers == 2
+
+
+def test_the_load_counts_every_answer_but_200_as_an_error():
+    """A configuration that sheds requests (503) or fails them is not a fast one: tune scores only error-free
+    measurements, so the load must count each non-200 answer."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from capserve.serving.loadtest import load
+
+    answered = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as the server measured
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["content-length"]))
+            answered.append(1)
+            status = (200, 503, 500)[len(answered) % 3]
+            body = b"{}"
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        _, latencies, errors = asyncio.run(load(url, [b"png"], requests=9, concurrency=1))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(latencies) == 9 and errors == {"503": 3, "500": 3}
+
+
+def test_the_server_reads_a_tuned_file_measured_on_this_cpu(tmp_path):
+    """What `capserve serve` starts with (``settings_or_exit``, the service module's settings) takes the tuned
+    file's choices, not only ``apply_tuned`` called by hand."""
+    import capserve.hardware
+
+    path = tuned_file(tmp_path, cpu=capserve.hardware.cpu_info())
+    s = settings_or_exit({"CAPSERVE_MODEL": str(tmp_path), "CAPSERVE_MULTILABEL_MODEL": "none"})
+    assert (s.workers, s.threads, s.max_batch_size) == (2, 1, 16)
+    assert s.sources["workers"] == f"tuned ({path.name}, {capserve.hardware.cpu_info().describe()})"
