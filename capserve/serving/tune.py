@@ -40,7 +40,7 @@ from capserve.hardware import CpuInfo, cpu_info
 from capserve.pipeline.models import ARTIFACTS, EXPLAIN_ARTIFACT, resolve_model
 from capserve.serving.loadtest import load, random_png, running_server
 from capserve.serving.settings import Settings
-from capserve.serving.tuned import TUNED_FILE, TUNED_VARIABLE, Tuned, write_tuned
+from capserve.serving.tuned import CORE_CHOICES, RUNTIME_CHOICES, TUNED_FILE, TUNED_VARIABLE, Tuned, write_tuned
 from capserve.serving.workers import visible_gpus
 
 __all__ = [
@@ -246,14 +246,26 @@ class Tuning:
     budget_s: float
     skipped: list[Candidate]
 
+    def compared(self) -> tuple[tuple[str, ...], ...]:
+        """The groups of choices (``RUNTIME_CHOICES``, ``CORE_CHOICES``, the batch) that tune measured more than one
+        way without errors: only those are chosen by measurement; the others stay the server's defaults."""
+        valid = [m.candidate for m in self.measurements if m.valid]
+        groups = {
+            RUNTIME_CHOICES: lambda c: (c.runtime, c.artifact, c.device),
+            CORE_CHOICES: lambda c: (c.workers, c.threads),
+            ("max_batch_size",): lambda c: c.max_batch_size,
+        }
+        return tuple(group for group, key in groups.items() if len({key(c) for c in valid}) > 1)
+
     def record(self, device: str) -> Tuned:
-        """The tuned file for this tuning."""
+        """The tuned file for this tuning: the chosen candidate's settings in the groups it was compared in."""
         from capserve import __version__
 
+        compared = {name for group in self.compared() for name in group}
         return Tuned(
             cpu={**self.cpu.to_dict(), "cores": self.cpu.cores},
             device=device,
-            settings=self.chosen.candidate.settings(),
+            settings={k: v for k, v in self.chosen.candidate.settings().items() if k in compared},
             measured=[m.row() for m in self.measurements],
             budget_s=self.budget_s,
             capserve_version=__version__,
@@ -434,7 +446,13 @@ def run(args: argparse.Namespace) -> int:
     console.print(table_of(tuning, f"capserve tune {args.model}: /classify on {cpu.describe()}"))
     if tuning.skipped:
         console.print(f"not measured within --budget {args.budget:g}: " + "; ".join(c.label() for c in tuning.skipped))
-    write_tuned(tuning.record(tuning.chosen.candidate.device), out)
+    tuned = tuning.record(tuning.chosen.candidate.device)
+    write_tuned(tuned, out)
+    kept = [
+        name for name in ("backend", "precision", "workers", "threads", "max_batch_size") if name not in tuned.settings
+    ]
+    if kept:
+        console.print(f"not compared with another measured value, so left to the defaults: {', '.join(kept)}")
     serve = f"capserve serve {args.model}" + (f" with {TUNED_VARIABLE}={out}" if args.out else "")
     console.print(f"chosen: {tuning.chosen.candidate.label()}; written to {out} ({serve} reads it on this CPU)")
     return 0

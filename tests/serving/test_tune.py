@@ -116,6 +116,25 @@ def test_tune_stops_within_its_budget_and_says_what_it_left(tmp_path):
     assert len(tune(tmp_path, 1, tiny, cpu=HERE, clock=tiny.clock, candidates=[FP32, BF16]).measurements) == 1
 
 
+def test_the_file_chooses_only_what_tune_compared(tmp_path):
+    """A group of choices measured one way only (the budget ended first, or its alternatives failed) stays the
+    server's default: the file does not claim it was measured best."""
+    one = StandIn({}, seconds=20.0)
+    assert tune(tmp_path, 1, one, cpu=HERE, clock=one.clock, candidates=[FP32, BF16]).record("cpu").settings == {}
+    runtimes = StandIn({"torch bf16": 80.0}, seconds=20.0)
+    tuning = tune(tmp_path, 50, runtimes, cpu=HERE, clock=runtimes.clock, candidates=[FP32, BF16])
+    assert len(tuning.measurements) == 2
+    assert tuning.record("cpu").settings == {"backend": "torch", "precision": "bf16"}
+    failed = [measured(FP32, 50.0), Measurement(TWO, 0, 0, 0, 0, 1.0, failure="exited with 3")]
+    tuning = dataclasses.replace(tuning, measurements=failed, chosen=failed[0])
+    assert tuning.record("cpu").settings == {}  # a failed alternative compares nothing
+    every = StandIn({"torch bf16 2x2 b64": 95.0, "torch bf16": 80.0})
+    settings = (
+        tune(tmp_path, 10_000, every, cpu=HERE, clock=every.clock, candidates=[FP32, BF16]).record("cpu").settings
+    )
+    assert settings == {"backend": "torch", "precision": "bf16", "workers": 1, "threads": 4, "max_batch_size": 32}
+
+
 def test_tune_says_why_when_no_candidate_served(tmp_path):
     from capserve.errors import UsageError
 
@@ -272,10 +291,11 @@ def test_capserve_tune_writes_a_file_that_serve_reads_back(tiny_cifar10, tmp_pat
     out = capsys.readouterr().out
     assert "CPU: " in out and "req/s at 32" in out and "chosen" in out and "not measured within --budget" in out
     assert "1. onnxruntime fp32" in out  # progress in a log, where no live bar shows
+    assert "left to the defaults: backend, precision, workers, threads, max_batch_size" in out
     tuned = read_tuned(folder / TUNED_FILE)
-    assert tuned.settings["workers"] == 1 and tuned.measured[0]["requests_per_s"] > 0
+    assert tuned.settings == {} and tuned.measured[0]["requests_per_s"] > 0  # one candidate compares nothing
     settings = settings_or_exit({"CAPSERVE_MODEL": str(folder), "CAPSERVE_MULTILABEL_MODEL": "none"})
-    assert settings.sources["workers"].startswith(f"tuned ({TUNED_FILE}, ")
+    assert set(settings.sources.values()) == {"default"}
     assert W.worker_count(settings) == 1
 
 
