@@ -22,6 +22,7 @@ Every failure raises an ``ImageError`` (a ``ValueError``) subclass whose message
 from __future__ import annotations
 
 import io
+import re
 import struct
 import warnings
 
@@ -82,7 +83,13 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, min_side: in
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageTooLargeError(f"the image has too many pixels ({e})") from e
+        # Pillow refuses past its own limit before ours is checked: the message gives the limit in force here
+        found = re.search(r"\((\d+) pixels\)", str(e))
+        pixels = f"{int(found.group(1)):,} pixels" if found else "over Pillow's limit"
+        limit = min(max_pixels, Image.MAX_IMAGE_PIXELS or max_pixels)
+        raise ImageTooLargeError(
+            f"the image is {pixels}; the limit is {limit:,} pixels (resize it before sending)"
+        ) from e
     except UnidentifiedImageError as e:
         raise UndecodableImageError(
             "the data is not an image format this server reads (PNG, JPEG, GIF, WebP, BMP, TIFF, ...)"

@@ -180,6 +180,17 @@ def test_pixel_limit_is_configurable():
         load_image(data, CIFAR, max_pixels=1599)
 
 
+@pytest.mark.parametrize("side", [10_000, 14_000])  # past Pillow's refusal and past its warning
+def test_an_image_past_pillows_bomb_limit_is_told_the_limit_in_force(side):
+    """Pillow refuses these before capserve's own check: the message still gives the image's pixels and the
+    limit the user set, not Pillow's."""
+    with pytest.raises(ImageTooLargeError) as info:
+        load_image(png_header_only(side, side), CIFAR, max_pixels=25_000_000)
+    assert str(info.value) == (
+        f"the image is {side * side:,} pixels; the limit is 25,000,000 pixels (resize it before sending)"
+    )
+
+
 def test_unsupported_channel_count():
     with pytest.raises(UnsupportedImageError, match="channels"):
         load_image(
