@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,9 @@ from capserve.train.config import AMP, FREEZE, OPTIMIZERS, SCHEDULES, TrainConfi
 from capserve.train.loop import train
 from capserve.train.state import init_architecture, parse_label_map
 
-__all__ = ["DEFAULT_OWN_MODEL", "add_arguments", "run"]
+__all__ = ["DEFAULT_OWN_MODEL", "RESUME_TAKES", "add_arguments", "ignored_on_resume", "run"]
+
+log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------------- CLI
 
@@ -85,8 +88,9 @@ def _add_model_and_data(p: argparse.ArgumentParser) -> None:
         "--augment",
         choices=AUGMENTATIONS,
         help="training augmentation: none, shift (random translation up to 1/8 of the side) or crop-flip "
-        "(shift + random mirror, the CIFAR recipe). Default: crop-flip for CIFAR and for colour photos, none for "
-        "grey images (digits, text) and DiverseMultiMNIST; recorded in train_config.json",
+        "(shift + random mirror, the CIFAR recipe). Default: crop-flip for CIFAR, none for DiverseMultiMNIST and "
+        "for your own images, whatever they show (docs/own-data.md says why; give crop-flip for photographs in a "
+        "long run); recorded in train_config.json",
     )
     p.add_argument(
         "--freeze",
@@ -150,8 +154,29 @@ def _add_run_controls(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
 
 
+# what --resume takes from its command line; everything else comes from the run's record, fixed for the whole run
+RESUME_TAKES = ("resume", "data", "out", "time_budget", "device", "max_steps")
+
+
+def ignored_on_resume(args: argparse.Namespace) -> list[str]:
+    """The flags given beside ``--resume`` that it does not take (``RESUME_TAKES``), as the user typed them."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    given = [name for name, default in defaults.items() if getattr(args, name, default) != default]
+    return [f"--{name.replace('_', '-')}" for name in given if name not in RESUME_TAKES]
+
+
 def run(args: argparse.Namespace) -> int:
     resume = args.resume
+    if resume and (ignored := ignored_on_resume(args)):
+        log.warning(
+            "--resume continues %s with the recipe, epochs and schedule it recorded: ignoring %s (to train on with "
+            "other settings, start a new run with --init %s/best)",
+            resume,
+            ", ".join(ignored),
+            resume,
+        )
     if resume:
         saved = read_resume_config(resume)
         keep = {"data": args.data, "out": args.out, "time_budget": args.time_budget, "device": args.device}

@@ -164,7 +164,7 @@ def load_own_training(
 def recipe_reasons(given: TrainConfig, cfg: TrainConfig, own: bool, resume: str | Path | None) -> dict[str, str]:
     """Why the optimizer, schedule and batch size of ``cfg`` (``given``, resolved) are what they are."""
     if resume is not None:
-        return dict.fromkeys(("optimizer", "schedule", "batch_size", "class_weights"), RESUMED)
+        return dict.fromkeys(("optimizer", "schedule", "batch_size", "class_weights", "augment"), RESUMED)
     data = "your own images" if own else "the built-in data sets"
     return {
         "optimizer": "given" if given.optimizer != "auto" else f"the default for {data}",

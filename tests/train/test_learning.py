@@ -109,7 +109,11 @@ def test_a_run_that_learns_nothing_says_so_exits_non_zero_and_marks_best(tmp_pat
     metrics = (out / "metrics.jsonl").read_text()
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        assert main(["train", "--resume", str(out)]) == 1
+        assert main(["train", "--resume", str(out), "--epochs", "6", "--lr", "0.5", "--device", "cpu"]) == 1
+    assert f"ignoring --epochs, --lr (to train on with other settings, start a new run with --init {out}/best)" in (
+        caplog.text
+    )
+    assert "augmentation: none (as the run resumed recorded it)" in caplog.text
     assert f"{out} already trained its 2 epochs: --resume has nothing left to train" in caplog.text
     assert "the run did not learn" in caplog.text and "resumed from" not in caplog.text
     assert (out / "metrics.jsonl").read_text() == metrics  # nothing trained
