@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         skipped = 0
     results = {T: by_label(r, c.labels) for T, r in results.items()}
     report = {
-        "model": c.name,
+        "model": str(c.extra.get("name") or c.name),  # the name the server answers with (``--name``)
         "checkpoint": str(checkpoint),
         "data": str(args.data),
         "dataset": dataset,

@@ -238,6 +238,7 @@ def test_evaluate_json_and_confusion_png(run, folder, tmp_path, capsys):
     )
     report = json.loads(capsys.readouterr().out)  # one JSON object and nothing else on stdout
     assert report["images"] == 12 and report["labels"] == list(LABELS) and report["split"] == "test"
+    assert report["model"] == "mine"  # the run's name, as the server answers with it, not its architecture's
     m = report["results"]["2"]
     assert set(m) >= {"top1", "top3", "precision", "recall", "f1", "support", "confusion", "macro_f1"}
     # per-label figures keyed by label name (bare lists made a script guess the label order)
