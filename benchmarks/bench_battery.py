@@ -58,6 +58,8 @@ EPOCHS = {
     "cifar-grey": 4,
     "numbers": 4,
     "letter-tiles": 4,
+    "photo-tiles": 6,
+    "phone-photos": 6,
 }
 
 

@@ -174,6 +174,9 @@ class ModelConfig:
     backbone: Literal["resnet", "simple", "conv", "resnet18"] = "resnet"
     backbone_channels: int = 128
     backbone_stride: int = 2
+    # "conv" only: a max-pool by this factor after the first layer, so that a larger image reaches the capsule layers
+    # at the grid their routing was measured at (own images at --image-size N get N // 32: capserve.train.plan)
+    stem_pool: int = 1
     # CNN heads use the backbone, primary and capsule layer sizes (types × pose_dim neurons) and ignore the rest:
     # iterations, routing, routing_algorithm, pose, layer_norm, activations
     head: Head = "capsules"
@@ -217,6 +220,8 @@ class ModelConfig:
                 "the resnet18 backbone is a complete CNN: use it with head='avgpool' or 'fc' and no "
                 "capsule layers (capsules=())"
             )
+        if self.stem_pool < 1 or (self.stem_pool > 1 and self.backbone != "conv"):
+            raise ValueError(f"stem_pool is the conv backbone's, a factor >= 1; got {self.stem_pool} ({self.backbone})")
         if self.pose not in ("matrix", "vector"):
             raise ValueError(f"pose must be 'matrix' or 'vector', got {self.pose!r}")
         if self.routing not in ("concurrent", "sequential"):
@@ -285,7 +290,7 @@ class ModelConfig:
         """Side of the backbone's output feature map (3×3 convs with padding 1)."""
         if self.backbone == "resnet18":
             return (self.image_size - 1) // 8 + 1  # three stride-2 stages
-        return (self.image_size - 1) // self.backbone_stride + 1
+        return (self.image_size // self.stem_pool - 1) // self.backbone_stride + 1
 
     @property
     def spatial_sizes(self) -> tuple[int, ...]:

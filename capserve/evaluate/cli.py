@@ -23,9 +23,6 @@ from capserve.model.factory import load
 log = logging.getLogger(__name__)
 
 
-DEFAULT_ITERATIONS = (1, 2, 3, 4, 5)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="model folder (config.json + model.safetensors), e.g. RUN/best")
     p.add_argument(
@@ -41,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--iterations",
-        help="routing iteration counts, comma-separated (default 1,2,3,4,5; CNN "
-        "baselines have no routing and take none)",
+        help="routing iteration counts, comma-separated, e.g. 1,2,3,4,5 for the paper's accuracy-per-T analysis "
+        "(default: the count the model was trained with; CNN baselines have no routing and take none)",
     )
     p.add_argument("--split", choices=("test", "val"), default="test")
     p.add_argument("--limit", type=int, help="evaluate only the first N images")
@@ -67,9 +64,10 @@ def parse_iterations(text: str | None) -> list[int] | None:
 
 
 def iterations_for(config: ModelConfig, given: list[int] | None) -> list[int | None]:
-    """The T to evaluate: ``given`` or 1..5; [None] for a CNN, which has no routing (and refuses a given list)."""
+    """The T to evaluate: ``given``, or the model's own (one pass over the images: an evaluation costs less than a
+    training epoch); [None] for a CNN, which has no routing (and refuses a given list)."""
     if config.has_routing:
-        return list(given or DEFAULT_ITERATIONS)
+        return list(given or [config.iterations])
     if given is not None:
         raise ValueError(
             f"{config.name} is a CNN (head {config.head!r}) without routing: --iterations does not apply; drop it"

@@ -49,15 +49,17 @@ def simple_backbone(in_channels: int, channels: int, stride: int) -> nn.Sequenti
     return nn.Sequential(nn.Conv2d(in_channels, channels, 3, stride=stride, padding=1), nn.ReLU(inplace=True))
 
 
-def conv_backbone(in_channels: int, channels: int, stride: int) -> nn.Sequential:
+def conv_backbone(in_channels: int, channels: int, stride: int, pool: int = 1) -> nn.Sequential:
     """Three conv3×3 + BatchNorm + ReLU layers: 64 channels at full size, then ``channels`` at stride ``stride``, then
     ``channels`` again: a few million multiply-adds more than ``simple``'s single conv, for features that a plain
-    CNN's first layers would give."""
+    CNN's first layers would give. ``pool`` > 1 max-pools the first layer's output by that factor: the first layer
+    still sees every pixel of a large image, the rest cost what they cost at the smaller size."""
 
     def layer(i: int, o: int, s: int) -> list[nn.Module]:
         return [nn.Conv2d(i, o, 3, stride=s, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True)]
 
-    return nn.Sequential(*layer(in_channels, 64, 1), *layer(64, channels, stride), *layer(channels, channels, 1))
+    stem = [*layer(in_channels, 64, 1), *([nn.MaxPool2d(pool)] if pool > 1 else [])]
+    return nn.Sequential(*stem, *layer(64, channels, stride), *layer(channels, channels, 1))
 
 
 def resnet18_backbone(in_channels: int, channels: int = 64) -> nn.Sequential:
@@ -81,6 +83,6 @@ def resnet18_backbone(in_channels: int, channels: int = 64) -> nn.Sequential:
 BACKBONES: dict[str, Callable[[ModelConfig], nn.Sequential]] = {
     "resnet": lambda c: resnet_backbone(c.in_channels, c.backbone_channels, c.backbone_stride),
     "simple": lambda c: simple_backbone(c.in_channels, c.backbone_channels, c.backbone_stride),
-    "conv": lambda c: conv_backbone(c.in_channels, c.backbone_channels, c.backbone_stride),
+    "conv": lambda c: conv_backbone(c.in_channels, c.backbone_channels, c.backbone_stride, c.stem_pool),
     "resnet18": lambda c: resnet18_backbone(c.in_channels, c.backbone_channels),
 }

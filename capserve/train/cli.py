@@ -120,6 +120,13 @@ def _add_recipe(p: argparse.ArgumentParser) -> None:
         "adamw",
     )
     p.add_argument("--lr", type=float, help="base learning rate (default: 0.1 for sgd, 1e-3 for adam, 2e-3 for adamw)")
+    p.add_argument(
+        "--capsule-lr-scale",
+        type=float,
+        metavar="K",
+        help="a capsule network's capsule layers (primary, routed, read-out) train at K times the backbone's lr "
+        "(default 1; 2 helped short runs on many classes, docs/own-data.md)",
+    )
     p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9; Adam and AdamW take none)")
     p.add_argument(
         "--weight-decay",
@@ -204,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
             epochs=args.epochs,
             batch_size=args.batch_size,
             lr=args.lr,
+            capsule_lr_scale=args.capsule_lr_scale,
             momentum=args.momentum,
             weight_decay=args.weight_decay,
             schedule=args.schedule,

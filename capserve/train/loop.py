@@ -63,18 +63,34 @@ log = logging.getLogger(__name__)
 def make_optimizer(model: Model, cfg: TrainConfig) -> torch.optim.Optimizer:
     """The run's optimizer (``cfg`` resolved by ``resolve_recipe``): SGD with momentum (the authors'), Adam (both with
     L2 weight decay) or AdamW (decoupled weight decay, none on biases and normalisation gains: shrinking those only
-    costs fit), over the parameters that train (``--freeze backbone`` leaves the backbone's out)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.optimizer == "adamw":
-        groups = [
-            {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+    costs fit), over the parameters that train (``--freeze backbone`` leaves the backbone's out). A capsule network's
+    parameters outside the backbone form their own groups, whose ``lr_scale`` (``cfg.capsule_lr_scale``) multiplies
+    the schedule's lr at every step (``train_step``)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    scale = cfg.capsule_lr_scale if model.config.has_routing else 1.0
+    parts = [(trained, 1.0)]  # at one lr, the groups (and a resumed optimizer's state) of a run recorded before scales
+    if scale != 1.0:
+        backbone = {id(p) for p in model.backbone.parameters()}
+        parts = [
+            ([p for p in trained if id(p) in backbone], 1.0),
+            ([p for p in trained if id(p) not in backbone], scale),
         ]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
+    groups = []
+    for params, lr_scale in parts:
+        if cfg.optimizer == "adamw":
+            groups += [
+                {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay, "lr_scale": lr_scale},
+                {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0, "lr_scale": lr_scale},
+            ]
+        else:
+            groups.append({"params": params, "lr_scale": lr_scale})
+    groups = [g for g in groups if g["params"]]
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     raise ValueError(f"optimizer {cfg.optimizer!r} is not resolved: call resolve_recipe first")
 
 
@@ -282,7 +298,7 @@ def train_step(run: Run, x: Tensor, y: Tensor, progress: float) -> tuple[Tensor,
     cfg, opt, scaler = run.cfg, run.opt, run.scaler
     lr = cfg.lr * lr_factor(cfg.schedule, progress, run.state["epoch"], cfg.epochs)
     for group in opt.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # a resumed optimizer recorded before scales has none
     with _autocast(run.device, cfg.amp):
         logits = run.net(x)
     loss, hits = loss_and_hits(logits, y, run.model.config, progress)

@@ -97,11 +97,21 @@ def model_config(cfg: TrainConfig, manifest: Manifest | None = None) -> ModelCon
             task=manifest.task,
             thresholds=None,
             image_size=cfg.image_size or config.image_size,
+            stem_pool=stem_pool(cfg, config),
         )
         data = {"dataset": manifest.kind, "source": str(manifest.source), "val_size": val_size}
     # served answers and exports carry the run's name: two fine-tunes of one config can be told apart
     name = cfg.name or Path(cfg.out).name
     return dataclasses.replace(config, extra={**config.extra, "data": data, "name": name})
+
+
+def stem_pool(cfg: TrainConfig, config: ModelConfig) -> int:
+    """The conv backbone's stem pooling for ``--image-size N`` above the config's size: N // size, so that the capsule
+    layers see the grid their routing was measured at, and cost what they cost there (docs/own-data.md, "Larger
+    images"); 1 for any other run, and as given with ``--set stem_pool=K``."""
+    if "stem_pool" in cfg.overrides or cfg.init or config.backbone != "conv" or cfg.image_size is None:
+        return config.stem_pool
+    return max(cfg.image_size // config.image_size, 1)
 
 
 def chooses_class_weights(cfg: TrainConfig, config: ModelConfig, resume: str | Path | None) -> bool:
@@ -164,12 +174,15 @@ def load_own_training(
 def recipe_reasons(given: TrainConfig, cfg: TrainConfig, own: bool, resume: str | Path | None) -> dict[str, str]:
     """Why the optimizer, schedule and batch size of ``cfg`` (``given``, resolved) are what they are."""
     if resume is not None:
-        return dict.fromkeys(("optimizer", "schedule", "batch_size", "class_weights", "augment"), RESUMED)
+        return dict.fromkeys(
+            ("optimizer", "schedule", "batch_size", "capsule_lr_scale", "class_weights", "augment"), RESUMED
+        )
     data = "your own images" if own else "the built-in data sets"
     return {
         "optimizer": "given" if given.optimizer != "auto" else f"the default for {data}",
         "schedule": "given" if given.schedule is not None else f"the default for {data}",
         "batch_size": "given" if given.batch_size is not None else f"the default for {data}",
+        "capsule_lr_scale": "given" if given.capsule_lr_scale is not None else f"the default for {data}",
     }
 
 
@@ -210,10 +223,14 @@ def log_choices(plan: Plan, d: Dist) -> None:
     cfg, config = plan.cfg, plan.config
     if d.main:
         log.info("augmentation: %s (%s)", cfg.augment, plan.reasons["augment"])
+        scaled = (
+            f" (capsule layers ×{cfg.capsule_lr_scale:g})" if config.has_routing and cfg.capsule_lr_scale != 1 else ""
+        )
         log.info(
-            "recipe: %s lr %g, weight decay %g, %s schedule, batch %d",
+            "recipe: %s lr %g%s, weight decay %g, %s schedule, batch %d",
             cfg.optimizer,
             cfg.lr,
+            scaled,
             cfg.weight_decay,
             cfg.schedule,
             cfg.batch_size,
@@ -227,6 +244,8 @@ def log_choices(plan: Plan, d: Dist) -> None:
                 ADAM_LR_WARNING,
                 DEFAULT_LR[cfg.optimizer],
             )
+    if "stem_pool" in plan.reasons and d.main:
+        log.info("stem: %s", plan.reasons["stem_pool"])
     if plan.manifest is not None and not cfg.init:
         log.info("mean/std from the %d training images: %s / %s", len(plan.data.train), config.mean, config.std)
 
@@ -264,6 +283,11 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
     reasons.setdefault("augment", "given")
     reasons.setdefault("class_weights", "given" if "class_weights" in cfg.overrides else "the model config's")
     reasons.setdefault("mean_std", "kept with --init (the model config's)" if cfg.init else "the model config's")
+    if config.stem_pool > 1 and "stem_pool" not in cfg.overrides:
+        reasons["stem_pool"] = (
+            f"--image-size {config.image_size}: a max-pool by {config.stem_pool} after the first layer keeps the "
+            f"capsule grid of a {config.image_size // config.stem_pool}-pixel input (--set stem_pool=1 lets it grow)"
+        )
     plan = Plan(cfg, config, reasons, data, manifest, test_split, skipped)
     log_choices(plan, d)
     return plan

@@ -28,6 +28,7 @@ from capserve.data.images import preprocess
 from capserve.data.own import Sample, carve, scan
 from capserve.errors import DataError
 from capserve.evaluate import evaluator as evaluate_module
+from capserve.model.capsnet import CapsNet
 from capserve.routing import fused as kernel
 from capserve.runtime.metadata import ModelMetadata
 from capserve.train.config import TrainConfig
@@ -267,6 +268,25 @@ def test_evaluate_a_folder_with_only_test_images(run, folder, tmp_path, capsys):
     assert report["images"] == 12 and report["results"]["2"]["support"] == dict.fromkeys(LABELS, 4)
     code = main(["train", "--model", "cifar10-simple", "--data", str(only), "--out", str(tmp_path / "r")])
     assert code == 2 and "has a val/ or test/ folder but no train/ folder" in capsys.readouterr().err  # training
+
+
+def test_evaluate_routes_once_at_the_models_own_iterations_unless_asked(run, folder, monkeypatch, capsys):
+    """Without ``--iterations`` an evaluation is one pass over the images at the T the model was trained with (at
+    T = 1..5 it took longer than a training epoch on the battery's numbers); ``--iterations`` still sweeps."""
+    out, _ = run
+    trained = capserve.read_config(out / "best").iterations
+    passes = []
+    forward = CapsNet.forward
+    monkeypatch.setattr(
+        CapsNet, "forward", lambda self, x, iterations=None: passes.append(iterations) or forward(self, x, iterations)
+    )
+    assert main(["evaluate", str(out / "best"), "--data", str(folder), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["results"]) == {str(trained)} and report["trained_iterations"] == trained
+    assert passes == [trained]  # 12 images: one batch, one pass
+    passes.clear()
+    assert main(["evaluate", str(out / "best"), "--data", str(folder), "--iterations", "1,3", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["results"]) == {"1", "3"} and passes == [1, 3]
 
 
 def test_a_short_evaluation_routes_eagerly(run, folder, monkeypatch, capsys):

@@ -39,6 +39,10 @@ def test_bad_override_is_a_clear_error():
         capserve.create_model("cifar10-resnet", pose_dim=15)
     with pytest.raises(ValueError, match="feature map"):
         capserve.create_model("cifar10-resnet", image_size=8)
+    with pytest.raises(ValueError, match="stem_pool is the conv backbone's"):
+        capserve.create_model("cifar10-resnet", stem_pool=2)
+    with pytest.raises(ValueError, match="stem_pool"):
+        capserve.create_model("cifar10-conv", stem_pool=0)
 
 
 def test_full_size_models_run_at_batch_one():

@@ -18,12 +18,12 @@ import capserve
 from capserve.data.cache import CACHE_FILE
 from capserve.data.preprocess import data_mean_std
 from capserve.model.capsnet import CapsNet
-from capserve.train.config import TrainConfig
+from capserve.train.config import TrainConfig, read_resume_config, resolve_recipe
 from capserve.train.distributed import Dist
 from capserve.train.loop import train
 from capserve.train.plan import plan_run
 
-REASONS = {"optimizer", "schedule", "batch_size", "augment", "class_weights", "mean_std"}
+REASONS = {"optimizer", "schedule", "batch_size", "capsule_lr_scale", "augment", "class_weights", "mean_std"}
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +108,68 @@ def test_an_init_that_cannot_work_fails_before_the_run_folder_exists(marks, tmp_
     with pytest.raises(ValueError, match="'wolf' is not a label of your data"):
         train(own_config(marks, out, init=str(source / "best"), label_map={"plus": "wolf"}))
     assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_larger_image_size_keeps_the_capsule_grid_of_the_configs_size(marks, tmp_path):
+    """``--image-size 64`` on a config made for 32-pixel inputs: the conv backbone max-pools its first layer's output
+    by 2, so the capsule layers see the grid (and cost) of a 32-pixel input, the run says why, and the saved model
+    answers 64-pixel images. ``--set stem_pool=1`` lets the grid grow; without ``--image-size`` nothing pools."""
+    cpu = torch.device("cpu")
+    plain = plan_run(own_config(marks, tmp_path / "plain"), None, Dist(), cpu)
+    large = plan_run(own_config(marks, tmp_path / "large", image_size=64), None, Dist(), cpu)
+    assert plain.config.stem_pool == 1 and "stem_pool" not in plain.reasons
+    assert large.config.stem_pool == 2 and large.config.spatial_sizes == plain.config.spatial_sizes
+    assert "keeps the capsule grid of a 32-pixel input" in large.reasons["stem_pool"]
+    growing = own_config(marks, tmp_path / "grow", image_size=64)
+    growing.overrides = {**growing.overrides, "stem_pool": 1}
+    grown = plan_run(growing, None, Dist(), cpu)
+    assert grown.config.spatial_sizes[0] == 2 * plain.config.spatial_sizes[0] and "stem_pool" not in grown.reasons
+    out = tmp_path / "run"
+    train(own_config(marks, out, image_size=64))
+    model = capserve.load(out / "best")
+    assert model.config.stem_pool == 2 and model.config.image_size == 64
+    assert model(torch.randn(2, 3, 64, 64)).shape == (2, len(model.config.labels))
+
+
+def test_capsule_layers_train_at_the_scaled_lr_and_a_cnn_at_one(marks, tmp_path):
+    """``--capsule-lr-scale K``: a capsule network's layers after the backbone step at K times the backbone's lr;
+    without it, one lr (the recipe records 1); a CNN baseline, which has no capsule layers, trains at one lr."""
+    assert resolve_recipe(own_config(marks, tmp_path / "a"), own_data=True).capsule_lr_scale == 1.0
+    assert resolve_recipe(own_config(marks, tmp_path / "b"), own_data=False).capsule_lr_scale == 1.0
+    out = tmp_path / "run"
+    train(own_config(marks, out, capsule_lr_scale=3.0))
+    trainer = json.loads((out / "last" / "trainer.json").read_text())
+    model = capserve.load(out / "best")
+    backbone = len(list(model.backbone.parameters()))
+    groups = trainer["param_groups"]
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    in_backbone = [g for g in groups if max(g["params"]) < backbone]
+    capsules = [g for g in groups if min(g["params"]) >= backbone]
+    assert len(in_backbone) + len(capsules) == len(groups) and in_backbone and capsules
+    base = in_backbone[0]["lr"]
+    assert base > 0 and all(g["lr"] == pytest.approx(3 * base) for g in capsules)
+    assert all(g["lr"] == base for g in in_backbone)
+    assert trainer["train_config"]["capsule_lr_scale"] == 3.0
+    cnn = tmp_path / "cnn"
+    train(TrainConfig(model="cifar10-conv-cnn", data=str(marks), out=str(cnn), epochs=1, device="cpu", test=False))
+    lrs = {g["lr"] for g in json.loads((cnn / "last" / "trainer.json").read_text())["param_groups"]}
+    assert len(lrs) == 1
+    with pytest.raises(ValueError, match="--capsule-lr-scale must be positive"):
+        own_config(marks, tmp_path / "c", capsule_lr_scale=0.0)
+
+
+def test_a_run_recorded_before_capsule_lr_scales_resumes_at_one_lr(marks, tmp_path):
+    """A run whose record has no ``capsule_lr_scale`` (and whose optimizer groups have no scale) trained at one lr:
+    ``--resume`` continues it at one lr, with its optimizer's state."""
+    out = tmp_path / "run"
+    train(own_config(marks, out, epochs=2, max_steps=1, capsule_lr_scale=1.0))
+    path = out / "last" / "trainer.json"
+    trainer = json.loads(path.read_text())
+    del trainer["train_config"]["capsule_lr_scale"]
+    for group in trainer["param_groups"]:
+        del group["lr_scale"]
+    path.write_text(json.dumps(trainer))
+    summary = train(read_resume_config(out), resume=out)
+    assert summary["best_epoch"] is not None
+    resumed = json.loads(path.read_text())
+    assert resumed["train_config"]["capsule_lr_scale"] == 1.0 and len({g["lr"] for g in resumed["param_groups"]}) == 1
