@@ -5,7 +5,7 @@ beside capserve's CNN baseline (``cifar10-conv-cnn``), at 32, 64 and 128 px.
 
 Per size, three models: the capsules with the capsule grid growing with the image (``stem_pool=1``), the capsules as
 ``capserve train --image-size N`` builds them (``stem_pool=N // 32``: the grid stays where it is at 32 px), and the CNN
-baseline with the same stem. Each runs ``--steps`` AdamW steps at batch ``--batch-size`` on random images (after
+baseline with the same stem. Each runs ``--steps`` SGD steps at batch ``--batch-size`` on random images (after
 one warm-up step), and one inference pass of ``--eval-batch`` images at the model's own routing iterations; the
 variants are interleaved ``--repeats`` times in one process and the medians are scaled to an epoch of ``--images``
 training images and an evaluation of as many test images. Timings on a shared machine are noisy: quote the medians and
@@ -20,27 +20,11 @@ import statistics
 import time
 
 import torch
+from bench_finetune_speed import step_rate
 
 from capserve.configs import get_config
 from capserve.hardware import cpu_info
 from capserve.model.factory import build_model
-
-
-def train_seconds_per_image(model: torch.nn.Module, size: int, batch: int, steps: int) -> float:
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(batch, model.config.in_channels, size, size)
-    y = torch.randint(0, model.config.num_classes, (batch,))
-    times = []
-    for i in range(steps + 1):
-        t0 = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if i:  # the first step warms up
-            times.append(time.perf_counter() - t0)
-    return sum(times) / (batch * len(times))
 
 
 @torch.no_grad()
@@ -82,7 +66,7 @@ def main() -> None:
     evaluation: dict[tuple[int, str], list[float]] = {v: [] for v in variants}
     for _ in range(a.repeats):
         for (size, name), model in variants.items():
-            train[(size, name)].append(train_seconds_per_image(model, size, a.batch_size, a.steps))
+            train[(size, name)].append(1 / step_rate(model, size, a.batch_size, a.steps, freeze=False))
             evaluation[(size, name)].append(eval_seconds_per_image(model, size, a.eval_batch))
     print(
         f"{a.classes} classes, batch {a.batch_size}, {torch.get_num_threads()} threads, median of {a.repeats} "
