@@ -108,8 +108,8 @@ def model_config(cfg: TrainConfig, manifest: Manifest | None = None) -> ModelCon
 def stem_pool(cfg: TrainConfig, config: ModelConfig) -> int:
     """The conv backbone's stem pooling for ``--image-size N`` above the config's size: N // size, so that the capsule
     layers see the grid their routing was measured at, and cost what they cost there (docs/own-data.md, "Larger
-    images"); 1 for any other run, and as given with ``--set stem_pool=K``."""
-    if "stem_pool" in cfg.overrides or cfg.init or config.backbone != "conv" or cfg.image_size is None:
+    images"); 1 for any other run, and as given with ``--set stem_pool=K`` (``--init``: its model's, when not 1)."""
+    if "stem_pool" in cfg.overrides or config.backbone != "conv" or cfg.image_size is None:
         return config.stem_pool
     return max(cfg.image_size // config.image_size, 1)
 

@@ -129,6 +129,11 @@ def test_a_larger_image_size_keeps_the_capsule_grid_of_the_configs_size(marks, t
     model = capserve.load(out / "best")
     assert model.config.stem_pool == 2 and model.config.image_size == 64
     assert model(torch.randn(2, 3, 64, 64)).shape == (2, len(model.config.labels))
+    # a fine-tune at 64 pixels of a 32-pixel model pools too, so that its class layer keeps its shape and weights
+    source = tmp_path / "source"
+    train(own_config(marks, source))
+    tuned = plan_run(own_config(marks, tmp_path / "tuned", image_size=64, init=str(source / "best")), None, Dist(), cpu)
+    assert tuned.config.stem_pool == 2 and tuned.config.spatial_sizes == plain.config.spatial_sizes
 
 
 def test_capsule_layers_train_at_the_scaled_lr_and_a_cnn_at_one(marks, tmp_path):
@@ -151,7 +156,8 @@ def test_capsule_layers_train_at_the_scaled_lr_and_a_cnn_at_one(marks, tmp_path)
     assert all(g["lr"] == base for g in in_backbone)
     assert trainer["train_config"]["capsule_lr_scale"] == 3.0
     cnn = tmp_path / "cnn"
-    train(TrainConfig(model="cifar10-conv-cnn", data=str(marks), out=str(cnn), epochs=1, device="cpu", test=False))
+    given = dict(epochs=1, device="cpu", test=False, capsule_lr_scale=3.0)
+    train(TrainConfig(model="cifar10-conv-cnn", data=str(marks), out=str(cnn), **given))
     lrs = {g["lr"] for g in json.loads((cnn / "last" / "trainer.json").read_text())["param_groups"]}
     assert len(lrs) == 1
     with pytest.raises(ValueError, match="--capsule-lr-scale must be positive"):
