@@ -127,6 +127,14 @@ def _add_recipe(p: argparse.ArgumentParser) -> None:
         help="a capsule network's capsule layers (primary, routed, read-out) train at K times the backbone's lr "
         "(default 1; 2 helped short runs on many classes, docs/own-data.md)",
     )
+    p.add_argument(
+        "--backbone-loss",
+        type=float,
+        metavar="W",
+        help="a capsule network's backbone also learns from a linear classifier on its pooled features, its loss "
+        "weighted W beside the capsules' (training only: the saved model is the capsule network alone). Default: 1 "
+        "for your own images, 0 (off) for the built-in data sets (docs/own-data.md)",
+    )
     p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9; Adam and AdamW take none)")
     p.add_argument(
         "--weight-decay",
@@ -212,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             lr=args.lr,
             capsule_lr_scale=args.capsule_lr_scale,
+            backbone_loss=args.backbone_loss,
             momentum=args.momentum,
             weight_decay=args.weight_decay,
             schedule=args.schedule,

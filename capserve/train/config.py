@@ -68,6 +68,12 @@ AUTO_BATCH_SIZE = {"builtin": 128, "own": 32}
 AUTO_CAPSULE_LR_SCALE = {"builtin": 1.0, "own": 1.0}
 
 
+# The weight of the training-only backbone classifier's loss (``capserve.train.backbone_loss``) beside a capsule
+# network's, without --backbone-loss: on a user's images, where short runs left the capsules behind the CNN, it helped
+# across the battery (docs/own-data.md, "Capsules beside the CNN"); the built-in data sets keep the paper's recipe.
+AUTO_BACKBONE_LOSS = {"builtin": 0.0, "own": 1.0}
+
+
 @dataclass
 class TrainConfig:
     """All choices of a training run (saved with every checkpoint, restored by ``--resume``)."""
@@ -80,6 +86,7 @@ class TrainConfig:
     batch_size: int | None = None  # None: AUTO_BATCH_SIZE for the data (resolved by the training set-up)
     lr: float | None = None  # None: the optimizer's own default (DEFAULT_LR)
     capsule_lr_scale: float | None = None  # the capsule layers' lr over the backbone's; None: AUTO_CAPSULE_LR_SCALE
+    backbone_loss: float | None = None  # the backbone classifier's loss weight (0: none); None: AUTO_BACKBONE_LOSS
     momentum: float | None = None  # SGD only; None: 0.9
     optimizer: str = "auto"  # OPTIMIZERS; "auto" is resolved by the training set-up (``resolve_recipe``)
     weight_decay: float | None = None  # None: DEFAULT_WEIGHT_DECAY of the optimizer (resolved likewise)
@@ -133,6 +140,8 @@ class TrainConfig:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.capsule_lr_scale is not None and self.capsule_lr_scale <= 0:
             raise ValueError(f"--capsule-lr-scale must be positive, got {self.capsule_lr_scale}")
+        if self.backbone_loss is not None and not 0 <= self.backbone_loss < math.inf:
+            raise ValueError(f"--backbone-loss must be a weight >= 0 (0: none), got {self.backbone_loss}")
         if self.label_map and not self.init:
             raise ValueError("--label-map renames labels of the --init model: give --init MODEL_DIR too")
         if self.name is not None and not self.name.strip():
@@ -163,6 +172,7 @@ def resolve_recipe(cfg: TrainConfig, own_data: bool) -> TrainConfig:
         schedule=cfg.schedule or schedule,
         batch_size=cfg.batch_size or AUTO_BATCH_SIZE[kind],
         capsule_lr_scale=cfg.capsule_lr_scale or AUTO_CAPSULE_LR_SCALE[kind],
+        backbone_loss=cfg.backbone_loss if cfg.backbone_loss is not None else AUTO_BACKBONE_LOSS[kind],
     )
 
 
@@ -190,4 +200,5 @@ def read_resume_config(path: str | Path) -> TrainConfig:
         )
     recorded = json.loads((last / "trainer.json").read_text())["train_config"]
     recorded.setdefault("capsule_lr_scale", 1.0)  # a run recorded before the scale existed trained at one lr
+    recorded.setdefault("backbone_loss", 0.0)  # ... and before the backbone loss, without one
     return TrainConfig(**recorded)

@@ -36,8 +36,10 @@ from capserve.model.factory import Model
 from capserve.model.factory import load as load_model
 from capserve.routing.losses import training_loss
 from capserve.runtime.outputs import multi_label_decisions
+from capserve.train.backbone_loss import BackboneClassifier, backbone_classifier
 from capserve.train.config import AMP, TrainConfig, lr_factor
 from capserve.train.distributed import Dist, setup_distributed
+from capserve.train.optimizer import make_optimizer
 from capserve.train.plan import Plan, plan_run
 from capserve.train.state import init_from, load_state, provenance, save_state
 from capserve.train.verdict import check_learned
@@ -48,50 +50,12 @@ __all__ = [
     "drop_unsaved_epochs",
     "improves",
     "loss_and_hits",
-    "make_optimizer",
     "set_up",
     "train",
     "validate",
 ]
 
 log = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------------------------------------- checkpoints
-
-
-def make_optimizer(model: Model, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The run's optimizer (``cfg`` resolved by ``resolve_recipe``): SGD with momentum (the authors'), Adam (both with
-    L2 weight decay) or AdamW (decoupled weight decay, none on biases and normalisation gains: shrinking those only
-    costs fit), over the parameters that train (``--freeze backbone`` leaves the backbone's out). A capsule network's
-    parameters outside the backbone form their own groups, whose ``lr_scale`` (``cfg.capsule_lr_scale``) multiplies
-    the schedule's lr at every step (``train_step``)."""
-    trained = [p for p in model.parameters() if p.requires_grad]
-    scale = cfg.capsule_lr_scale if model.config.has_routing else 1.0
-    parts = [(trained, 1.0)]  # at one lr, the groups (and a resumed optimizer's state) of a run recorded before scales
-    if scale != 1.0:
-        backbone = {id(p) for p in model.backbone.parameters()}
-        parts = [
-            ([p for p in trained if id(p) in backbone], 1.0),
-            ([p for p in trained if id(p) not in backbone], scale),
-        ]
-    groups = []
-    for params, lr_scale in parts:
-        if cfg.optimizer == "adamw":
-            groups += [
-                {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay, "lr_scale": lr_scale},
-                {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0, "lr_scale": lr_scale},
-            ]
-        else:
-            groups.append({"params": params, "lr_scale": lr_scale})
-    groups = [g for g in groups if g["params"]]
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    raise ValueError(f"optimizer {cfg.optimizer!r} is not resolved: call resolve_recipe first")
 
 
 # ------------------------------------------------------------------------------------------------- metrics
@@ -177,6 +141,7 @@ class Run:
     scaler: Any
     state: dict[str, Any]
     init: dict[str, Any] | None = None
+    backbone_head: BackboneClassifier | None = None  # --backbone-loss: training only, saved in last/ alone
     resumed_elapsed: float = 0.0  # training seconds of the pieces before this one (--resume)
     started: float = field(default_factory=time.perf_counter)
     steps_this_run: int = 0
@@ -218,7 +183,7 @@ def continue_from(run: Run, saved: str | Path) -> None:
     ``metrics.jsonl`` forgets the epochs after that save."""
     cfg, out = run.cfg, run.out
     last = Path(saved) if (Path(saved) / "trainer.json").is_file() else Path(saved) / "last"
-    run.state = load_state(last, run.model, run.opt, run.scaler, run.device)
+    run.state = load_state(last, run.model, run.opt, run.scaler, run.device, run.backbone_head)
     run.resumed_elapsed = run.state["elapsed"]
     if run.d.main:
         drop_unsaved_epochs(out / "metrics.jsonl", run.state["epoch"])
@@ -246,10 +211,13 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
     model = plan.build_model()
     init = init_from(model, cfg.init, cfg.label_map) if cfg.init and resume is None else None
     net = place(model, cfg, d, device)
-    opt = make_optimizer(model, cfg)
+    head = backbone_classifier(model, cfg.backbone_loss)  # built after the model: its weights are the same without
+    if head is not None:
+        head.to(device)
+    opt = make_optimizer(model, cfg, head)
     scaler = torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None
     state: dict[str, Any] = {"epoch": 0, "batch": 0, "step": 0, "elapsed": 0.0, "best_acc": None, "best_epoch": None}
-    run = Run(plan, d, device, out, model, net, opt, scaler, state, init)
+    run = Run(plan, d, device, out, model, net, opt, scaler, state, init, head)
     if resume is not None:
         continue_from(run, resume)
     if d.main:
@@ -302,14 +270,19 @@ def train_step(run: Run, x: Tensor, y: Tensor, progress: float) -> tuple[Tensor,
     with _autocast(run.device, cfg.amp):
         logits = run.net(x)
     loss, hits = loss_and_hits(logits, y, run.model.config, progress)
+    head = run.backbone_head
+    # the capsules' loss is what the run reports; the backbone classifier's only joins the gradient
+    total = loss if head is None else loss + head.loss(y, run.model.config.task == "multi_label")
     opt.zero_grad(set_to_none=True)
     if scaler is not None:
-        scaler.scale(loss).backward()
+        scaler.scale(total).backward()
         scaler.unscale_(opt)
     else:
-        loss.backward()
+        total.backward()
+    if head is not None and run.d.enabled:
+        head.average_gradients()
     if cfg.grad_clip:
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
     if scaler is not None:
         scaler.step(opt)
         scaler.update()
@@ -399,7 +372,7 @@ def end_epoch(run: Run, record: dict[str, Any]) -> None:
             with replacing_directory(run.out / "best") as best:
                 extra = {"training": provenance(cfg, state), "metrics": {"val_acc": record.get("val_acc")}}
                 save_model(run.model, best, extra=extra)
-        save_state(run.out / "last", run.model, run.opt, run.scaler, state, cfg)
+        save_state(run.out / "last", run.model, run.opt, run.scaler, state, cfg, run.backbone_head)
     if d.enabled:
         dist.barrier()
 

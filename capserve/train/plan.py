@@ -175,7 +175,8 @@ def recipe_reasons(given: TrainConfig, cfg: TrainConfig, own: bool, resume: str 
     """Why the optimizer, schedule and batch size of ``cfg`` (``given``, resolved) are what they are."""
     if resume is not None:
         return dict.fromkeys(
-            ("optimizer", "schedule", "batch_size", "capsule_lr_scale", "class_weights", "augment"), RESUMED
+            ("optimizer", "schedule", "batch_size", "capsule_lr_scale", "backbone_loss", "class_weights", "augment"),
+            RESUMED,
         )
     data = "your own images" if own else "the built-in data sets"
     return {
@@ -183,7 +184,24 @@ def recipe_reasons(given: TrainConfig, cfg: TrainConfig, own: bool, resume: str 
         "schedule": "given" if given.schedule is not None else f"the default for {data}",
         "batch_size": "given" if given.batch_size is not None else f"the default for {data}",
         "capsule_lr_scale": "given" if given.capsule_lr_scale is not None else f"the default for {data}",
+        "backbone_loss": "given" if given.backbone_loss is not None else f"the default for {data}",
     }
+
+
+def backbone_loss(cfg: TrainConfig, config: ModelConfig, given: TrainConfig) -> tuple[TrainConfig, str | None]:
+    """``cfg`` without a backbone loss where it cannot work (and why): a CNN (its classifier already reads its
+    backbone), or a frozen backbone. Given for either, it is a mistake the user hears about."""
+    if not cfg.backbone_loss:
+        return cfg, None
+    if not config.has_routing:
+        why = f"{config.name} is a CNN: its own classifier reads its backbone"
+    elif cfg.freeze == "backbone":
+        why = "--freeze backbone: the backbone does not train"
+    else:
+        return cfg, None
+    if given.backbone_loss is not None:
+        raise ValueError(f"--backbone-loss trains a capsule network's backbone, and {why}: drop --backbone-loss")
+    return dataclasses.replace(cfg, backbone_loss=0.0), why
 
 
 def fit_batch(cfg: TrainConfig, data: Data, given: bool, d: Dist) -> tuple[TrainConfig, str | None]:
@@ -235,6 +253,13 @@ def log_choices(plan: Plan, d: Dist) -> None:
             cfg.schedule,
             cfg.batch_size,
         )
+        if cfg.backbone_loss:
+            log.info(
+                "backbone loss: a classifier on the pooled backbone features trains beside the capsules, weight %g "
+                "(%s; training only, not in the saved model; --backbone-loss 0 turns it off)",
+                cfg.backbone_loss,
+                plan.reasons["backbone_loss"],
+            )
         if cfg.optimizer in ("adam", "adamw") and cfg.lr > ADAM_LR_WARNING:
             log.warning(
                 "--lr %g is an SGD-sized step; %s usually diverges or stalls above %g (its default is %g): "
@@ -263,6 +288,8 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
     if cfg.init and resume is None:
         check_init(cfg.init, config.labels, cfg.label_map)
     reasons = recipe_reasons(given, cfg, manifest is not None, resume)
+    cfg, no_backbone_loss = backbone_loss(cfg, config, given)
+    reasons["backbone_loss"] = no_backbone_loss or reasons["backbone_loss"]
     out = Path(cfg.out)
     if d.main:
         out.mkdir(parents=True, exist_ok=True)

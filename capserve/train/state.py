@@ -34,12 +34,21 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+BACKBONE_HEAD = "backbone_head"  # its tensors' prefix in last/optimizer.safetensors
+
 
 def save_state(
-    directory: Path, model: Model, opt: torch.optim.Optimizer, scaler: Any, state: dict, cfg: TrainConfig
+    directory: Path,
+    model: Model,
+    opt: torch.optim.Optimizer,
+    scaler: Any,
+    state: dict,
+    cfg: TrainConfig,
+    backbone_head: torch.nn.Module | None = None,
 ) -> None:
     """``last/``: model dir + optimizer tensors (safetensors) + everything else as JSON. No pickle. Written aside and
-    swapped in whole (``replacing_directory``): a run killed while saving resumes from the ``last/`` before."""
+    swapped in whole (``replacing_directory``): a run killed while saving resumes from the ``last/`` before. A
+    ``--backbone-loss`` classifier's weights go with the optimizer's tensors, never into the model."""
     with replacing_directory(directory) as tmp:
         save_model(model, tmp, extra={"training": provenance(cfg, state)})
         tensors: dict[str, Tensor] = {}
@@ -51,6 +60,9 @@ def save_state(
                     tensors[f"state.{idx}.{key}"] = value.detach().cpu().contiguous()
                 else:
                     meta[f"{idx}.{key}"] = value
+        if backbone_head is not None:
+            for key, value in backbone_head.state_dict().items():
+                tensors[f"{BACKBONE_HEAD}.{key}"] = value.detach().cpu().contiguous()
         tensors["rng.cpu"] = torch.get_rng_state()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -66,12 +78,26 @@ def save_state(
         (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
 
 
-def load_state(directory: Path, model: Model, opt: torch.optim.Optimizer, scaler: Any, device: torch.device) -> dict:
+def load_state(
+    directory: Path,
+    model: Model,
+    opt: torch.optim.Optimizer,
+    scaler: Any,
+    device: torch.device,
+    backbone_head: torch.nn.Module | None = None,
+) -> dict:
+    """Everything ``save_state`` wrote into ``directory``, loaded in place; returns the trainer's counters."""
     recover_directory(directory)
     trainer = json.loads((directory / "trainer.json").read_text())
     weights = load_model(directory, device)
     model.load_state_dict(weights.state_dict())
     tensors = load_file(str(directory / "optimizer.safetensors"))
+    if backbone_head is not None:
+        prefix = f"{BACKBONE_HEAD}."
+        head = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if not head:
+            raise ValueError(f"{directory} holds no backbone classifier, and its run trained with one")
+        backbone_head.load_state_dict(head)
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         if key.startswith("state."):

@@ -18,12 +18,23 @@ import capserve
 from capserve.data.cache import CACHE_FILE
 from capserve.data.preprocess import data_mean_std
 from capserve.model.capsnet import CapsNet
+from capserve.train.backbone_loss import BackboneClassifier
 from capserve.train.config import TrainConfig, read_resume_config, resolve_recipe
 from capserve.train.distributed import Dist
 from capserve.train.loop import train
+from capserve.train.optimizer import make_optimizer
 from capserve.train.plan import plan_run
 
-REASONS = {"optimizer", "schedule", "batch_size", "capsule_lr_scale", "augment", "class_weights", "mean_std"}
+REASONS = {
+    "optimizer",
+    "schedule",
+    "batch_size",
+    "capsule_lr_scale",
+    "backbone_loss",
+    "augment",
+    "class_weights",
+    "mean_std",
+}
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +153,7 @@ def test_capsule_layers_train_at_the_scaled_lr_and_a_cnn_at_one(marks, tmp_path)
     assert resolve_recipe(own_config(marks, tmp_path / "a"), own_data=True).capsule_lr_scale == 1.0
     assert resolve_recipe(own_config(marks, tmp_path / "b"), own_data=False).capsule_lr_scale == 1.0
     out = tmp_path / "run"
-    train(own_config(marks, out, capsule_lr_scale=3.0))
+    train(own_config(marks, out, capsule_lr_scale=3.0, backbone_loss=0.0))
     trainer = json.loads((out / "last" / "trainer.json").read_text())
     model = capserve.load(out / "best")
     backbone = len(list(model.backbone.parameters()))
@@ -179,3 +190,40 @@ def test_a_run_recorded_before_capsule_lr_scales_resumes_at_one_lr(marks, tmp_pa
     assert summary["best_epoch"] is not None
     resumed = json.loads(path.read_text())
     assert resumed["train_config"]["capsule_lr_scale"] == 1.0 and len({g["lr"] for g in resumed["param_groups"]}) == 1
+
+
+def test_own_images_train_a_backbone_classifier_beside_the_capsules_and_nothing_else_does(marks, tmp_path):
+    """``--backbone-loss``: on a user's images a capsule network's backbone also learns from a classifier on its
+    pooled features (weight 1, recorded with its reason), which steps at the backbone's lr and is no part of the
+    saved model; the built-in data sets keep the paper's recipe (0); a CNN, whose classifier already reads its
+    backbone, trains without one, and hears about it when it is given."""
+    assert resolve_recipe(own_config(marks, tmp_path / "a"), own_data=False).backbone_loss == 0.0
+    out = tmp_path / "run"
+    train(own_config(marks, out, capsule_lr_scale=3.0))
+    record = json.loads((out / "train_config.json").read_text())
+    assert record["backbone_loss"] == 1.0 and record["reasons"]["backbone_loss"] == "the default for your own images"
+    trainer = json.loads((out / "last" / "trainer.json").read_text())
+    model = capserve.load(out / "best")
+    n = len(list(model.parameters()))
+    assert load_file(out / "best" / "model.safetensors").keys() == model.state_dict().keys()
+    assert sum(len(g["params"]) for g in trainer["param_groups"]) == n + 2  # the classifier's weight and bias
+    head = BackboneClassifier(model, 1.0)
+    opt = make_optimizer(model, resolve_recipe(own_config(marks, out, capsule_lr_scale=3.0), own_data=True), head)
+    scale = {id(p): g["lr_scale"] for g in opt.param_groups for p in g["params"]}
+    assert [scale[id(p)] for p in head.parameters()] == [1.0, 1.0]  # the backbone's lr, not the capsules' ×3
+    assert {scale[id(p)] for p in model.backbone.parameters()} == {1.0} and 3.0 in scale.values()
+    saved = load_file(out / "last" / "optimizer.safetensors")
+    width = model.config.backbone_channels
+    assert saved["backbone_head.linear.weight"].shape == (len(model.config.labels), width)
+    cnn = tmp_path / "cnn"
+    train(TrainConfig(model="cifar10-conv-cnn", data=str(marks), out=str(cnn), epochs=1, device="cpu", test=False))
+    record = json.loads((cnn / "train_config.json").read_text())
+    assert record["backbone_loss"] == 0.0 and "is a CNN" in record["reasons"]["backbone_loss"]
+    assert not [k for k in load_file(cnn / "last" / "optimizer.safetensors") if k.startswith("backbone_head")]
+    given = TrainConfig(
+        model="cifar10-conv-cnn", data=str(marks), out=str(tmp_path / "x"), device="cpu", backbone_loss=0.5
+    )
+    with pytest.raises(ValueError, match="is a CNN: its own classifier reads its backbone: drop --backbone-loss"):
+        train(given)
+    with pytest.raises(ValueError, match="--backbone-loss must be a weight >= 0"):
+        own_config(marks, tmp_path / "c", backbone_loss=-1.0)

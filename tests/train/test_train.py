@@ -89,13 +89,14 @@ def test_training_reduces_loss_and_writes_outputs(cifar, tmp_path):
     }
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_resume_continues_exactly(cifar, tmp_path, optimizer):
+@pytest.mark.parametrize(("optimizer", "backbone_loss"), [("sgd", 0.0), ("adam", 0.0), ("adamw", 0.5)])
+def test_resume_continues_exactly(cifar, tmp_path, optimizer, backbone_loss):
     whole = tmp_path / "whole"
     lr = 0.05 if optimizer == "sgd" else 1e-3
-    whole_summary = train(cfg("cifar10-simple", cifar, whole, test=False, optimizer=optimizer, lr=lr))  # 2 × 3 steps
+    recipe = dict(test=False, optimizer=optimizer, lr=lr, backbone_loss=backbone_loss)
+    whole_summary = train(cfg("cifar10-simple", cifar, whole, **recipe))  # 2 × 3 steps
     part = tmp_path / "part"
-    train(cfg("cifar10-simple", cifar, part, test=False, max_steps=4, optimizer=optimizer, lr=lr))  # inside epoch 2
+    train(cfg("cifar10-simple", cifar, part, max_steps=4, **recipe))  # inside epoch 2
     state = json.loads((part / "last" / "trainer.json").read_text())["state"]
     assert (state["epoch"], state["batch"], state["step"]) == (1, 1, 4)
     # the resumed run ends as the uninterrupted one did: learned (0) or not (1), never a usage error (2)
@@ -104,9 +105,28 @@ def test_resume_continues_exactly(cifar, tmp_path, optimizer):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     oa = load_file(str(whole / "last" / "optimizer.safetensors"))
     ob = load_file(str(part / "last" / "optimizer.safetensors"))
-    assert all(torch.equal(oa[k], ob[k]) for k in oa if k.startswith("state."))
+    assert all(torch.equal(oa[k], ob[k]) for k in oa if k.startswith(("state.", "backbone_head.")))
+    assert bool([k for k in oa if k.startswith("backbone_head.")]) == bool(backbone_loss)  # --backbone-loss's own
     moments = {"momentum_buffer"} if optimizer == "sgd" else {"exp_avg", "exp_avg_sq", "step"}
     assert {k.split(".", 2)[2] for k in oa if k.startswith("state.")} == moments  # the optimizer asked for
+
+
+def test_the_backbone_loss_reaches_the_backbone_and_nothing_else(cifar, tmp_path):
+    """One step from the same weights with and without ``--backbone-loss``: the backbone steps differently, every
+    other weight (the capsules', whose gradient is their own loss's) steps alike, and the run reports the capsules'
+    loss alone; the saved models hold the same tensors."""
+    runs = {}
+    for weight in (0.0, 2.0):
+        out = tmp_path / str(weight)
+        train(cfg("cifar10-simple", cifar, out, test=False, max_steps=1, optimizer="adamw", backbone_loss=weight))
+        metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+        runs[weight] = load_file(str(out / "last" / "model.safetensors")), metrics["train_loss"]
+    (without, loss_without), (with_head, loss_with) = runs[0.0], runs[2.0]
+    assert without.keys() == with_head.keys()
+    moved = {k for k in without if not torch.equal(without[k], with_head[k])}
+    assert moved and all(k.startswith("backbone.") for k in moved), moved
+    assert {k for k in without if k.startswith("backbone.") and k.endswith("weight")} <= moved
+    assert loss_with == loss_without
 
 
 def test_best_epoch_breaks_accuracy_ties_by_validation_loss():
@@ -117,8 +137,10 @@ def test_best_epoch_breaks_accuracy_ties_by_validation_loss():
     assert not improves(0.5, None, 0.5, None)  # no validation split: the first of equal training accuracies
 
 
-def test_ddp_two_cpu_processes_match_one(mnist, tmp_path):
-    # multimnist models have no BatchNorm: 2 ranks × 8 images must equal 1 process × 16 images
+@pytest.mark.parametrize("backbone_loss", ["0", "1"])
+def test_ddp_two_cpu_processes_match_one(mnist, tmp_path, backbone_loss):
+    # multimnist models have no BatchNorm: 2 ranks × 8 images must equal 1 process × 16 images, and so must the
+    # backbone classifier of --backbone-loss, whose gradients DDP does not average for it
     overrides = json.dumps(tiny_overrides("multimnist-matrix-small")["capsules"][0].__dict__)
     args = [
         "train",
@@ -145,6 +167,8 @@ def test_ddp_two_cpu_processes_match_one(mnist, tmp_path):
         "primary_types=4",
         "--set",
         f'capsules=[{overrides}, {{"kind": "fc", "types": 5}}]',
+        "--backbone-loss",
+        backbone_loss,
     ]
     single = tmp_path / "single"
     # 1 (and the same from torchrun): three steps need not beat the prior; the weights are what this test compares
@@ -171,6 +195,12 @@ def test_ddp_two_cpu_processes_match_one(mnist, tmp_path):
     b = load_file(str(tmp_path / "ddp" / "last" / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    head_a = load_file(str(single / "last" / "optimizer.safetensors"))
+    head_b = load_file(str(tmp_path / "ddp" / "last" / "optimizer.safetensors"))
+    head = [k for k in head_a if k.startswith("backbone_head.")]
+    assert len(head) == (2 if backbone_loss == "1" else 0)
+    for k in head:
+        torch.testing.assert_close(head_a[k], head_b[k], rtol=1e-4, atol=1e-5)
     va = [json.loads(line)["val_acc"] for line in (single / "metrics.jsonl").read_text().splitlines()]
     vb = [json.loads(line)["val_acc"] for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert va == vb  # validation sharded over 2 ranks and all-reduced
