@@ -196,6 +196,10 @@ class ModelConfig:
     # included ("per_position", the paper's), or one per child type shared by every position ("shared": a part
     # votes alike wherever it lies, for objects whose place varies; attention routing only)
     class_weights: Literal["per_position", "shared"] = "per_position"
+    # the class capsule transforms' initial scale: the authors' init for this many classes (None: the config's own
+    # count). Their init grows with the class count (√J), and the larger a transform starts, the less of it AdamW's
+    # steps move: a user's many-class run starts as the authors' 10-class one (attention routing only)
+    init_classes: int | None = None
     layer_norm: bool = True  # ablation: False replaces LayerNorm by identity
     activations: bool = False  # ablation: children scaled by a learned sigmoid activation before voting
     # multi-label decision thresholds per class, calibrated on a validation split (None: 0.5 each)
@@ -234,6 +238,11 @@ class ModelConfig:
             raise ValueError(
                 f"class_weights='shared' is attention routing's; {self.routing_algorithm} routing "
                 "brings its own class layer"
+            )
+        if self.init_classes is not None and (self.init_classes < 1 or self.routing_algorithm != "attention"):
+            raise ValueError(
+                f"init_classes is attention routing's class layer init, a count >= 1; got {self.init_classes} "
+                f"({self.routing_algorithm} routing)"
             )
         if self.routing_algorithm != "attention" and self.routing != "sequential":
             raise ValueError(

@@ -81,7 +81,10 @@ class CapsNet(nn.Module):
         specs = (*c.capsules, CapsuleLayerConfig("fc", c.num_classes))
         sizes = (*c.spatial_sizes, *[0] * len(specs))  # grid side of each layer's children (0: no grid)
         in_types = (c.primary_types, *(s.types for s in specs[:-1]))
-        shared = {"shared": True} if c.class_weights == "shared" else {}  # the class layer's (attention's option)
+        # the class layer's options (attention's)
+        shared = {"shared": True} if c.class_weights == "shared" else {}
+        if c.init_classes is not None:
+            shared["init_types"] = c.init_classes
         self.capsules = nn.ModuleList(
             routing.layer(
                 spec,

@@ -309,6 +309,7 @@ class CapsuleLayer(nn.Module):
         layer_norm: bool = True,
         activations: bool = False,
         shared: bool = False,
+        init_types: int | None = None,
     ):
         super().__init__()
         self.kind, self.kernel_size, self.stride = config.kind, config.kernel_size, config.stride
@@ -323,8 +324,9 @@ class CapsuleLayer(nn.Module):
             fan_in = n
         # fc from a grid with ``shared``: one transform per child type, whatever its position (``votes_weight``)
         self.positions = max(in_size, 1) ** 2 if shared and config.kind == "fc" else 1
-        # the authors' init: N(0, 1) · √(J / (√D·N_in·K²)) for matrix poses (D_in in place of √D for vectors)
-        std = math.sqrt(config.types / (x * fan_in))
+        # the authors' init: N(0, 1) · √(J / (√D·N_in·K²)) for matrix poses (D_in in place of √D for vectors), with J
+        # = ``init_types`` when given (ModelConfig.init_classes)
+        std = math.sqrt((init_types or config.types) / (x * fan_in))
         n //= self.positions
         self.weight = nn.Parameter(torch.randn(n, config.types, x, y) * std)  # (N, J, X, Y), N = (kh, kw, I)
 

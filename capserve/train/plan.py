@@ -98,6 +98,7 @@ def model_config(cfg: TrainConfig, manifest: Manifest | None = None) -> ModelCon
             thresholds=None,
             image_size=cfg.image_size or config.image_size,
             stem_pool=stem_pool(cfg, config),
+            init_classes=init_classes(cfg, config, len(manifest.labels)),
         )
         data = {"dataset": manifest.kind, "source": str(manifest.source), "val_size": val_size}
     # served answers and exports carry the run's name: two fine-tunes of one config can be told apart
@@ -112,6 +113,19 @@ def stem_pool(cfg: TrainConfig, config: ModelConfig) -> int:
     if "stem_pool" in cfg.overrides or config.backbone != "conv" or cfg.image_size is None:
         return config.stem_pool
     return max(cfg.image_size // config.image_size, 1)
+
+
+# a user's run on more classes starts its class transforms at the authors' init for this many (their CIFAR-10 runs)
+INIT_CLASSES = 10
+
+
+def init_classes(cfg: TrainConfig, config: ModelConfig, classes: int) -> int | None:
+    """The class transforms' initial scale for a new run on a user's ``classes`` labels: the authors' init for
+    ``INIT_CLASSES`` when there are more (docs/own-data.md, "Capsules beside the CNN"); the config's otherwise, with
+    ``--init`` (its weights) and as given with ``--set init_classes=N``."""
+    if "init_classes" in cfg.overrides or cfg.init or not config.has_routing or config.routing_algorithm != "attention":
+        return config.init_classes
+    return INIT_CLASSES if classes > INIT_CLASSES else None
 
 
 def chooses_class_weights(cfg: TrainConfig, config: ModelConfig, resume: str | Path | None) -> bool:
@@ -271,6 +285,8 @@ def log_choices(plan: Plan, d: Dist) -> None:
             )
     if "stem_pool" in plan.reasons and d.main:
         log.info("stem: %s", plan.reasons["stem_pool"])
+    if "init_classes" in plan.reasons and d.main:
+        log.info("class capsule init: %s", plan.reasons["init_classes"])
     if plan.manifest is not None and not cfg.init:
         log.info("mean/std from the %d training images: %s / %s", len(plan.data.train), config.mean, config.std)
 
@@ -314,6 +330,11 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
         reasons["stem_pool"] = (
             f"--image-size {config.image_size}: a max-pool by {config.stem_pool} after the first layer keeps the "
             f"capsule grid of a {config.image_size // config.stem_pool}-pixel input (--set stem_pool=1 lets it grow)"
+        )
+    if config.init_classes is not None and "init_classes" not in cfg.overrides:
+        reasons["init_classes"] = (
+            f"{len(config.labels)} classes: the class capsule transforms start at the authors' init for "
+            f"{config.init_classes} (--set init_classes={len(config.labels)} for theirs)"
         )
     plan = Plan(cfg, config, reasons, data, manifest, test_split, skipped)
     log_choices(plan, d)

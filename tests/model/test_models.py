@@ -43,6 +43,23 @@ def test_bad_override_is_a_clear_error():
         capserve.create_model("cifar10-resnet", stem_pool=2)
     with pytest.raises(ValueError, match="stem_pool"):
         capserve.create_model("cifar10-conv", stem_pool=0)
+    with pytest.raises(ValueError, match="init_classes is attention routing's"):
+        capserve.create_model("cifar10-conv", init_classes=0)
+    with pytest.raises(ValueError, match="init_classes is attention routing's"):
+        capserve.create_model("cifar10-simple-dynamic", init_classes=10)
+
+
+def test_init_classes_starts_the_class_transforms_at_that_many_classes_scale():
+    """``init_classes=N``: the class layer's transforms start at the authors' init for N classes (std ∝ √J), every
+    other weight as without it."""
+    torch.manual_seed(0)
+    theirs = capserve.create_model("cifar100-simple")  # 100 classes
+    torch.manual_seed(0)
+    ours = capserve.create_model("cifar100-simple", init_classes=10)
+    a, b = theirs.capsules[-1].weight, ours.capsules[-1].weight
+    assert a.shape == b.shape and (b.std() / a.std()).item() == pytest.approx((10 / 100) ** 0.5, rel=1e-3)
+    rest = [k for k in theirs.state_dict() if k != f"capsules.{len(theirs.capsules) - 1}.weight"]
+    assert rest and all(torch.equal(theirs.state_dict()[k], ours.state_dict()[k]) for k in rest)
 
 
 def test_full_size_models_run_at_batch_one():

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 from support.data import write_marks
 from support.models import tiny_overrides
@@ -227,3 +228,24 @@ def test_own_images_train_a_backbone_classifier_beside_the_capsules_and_nothing_
         train(given)
     with pytest.raises(ValueError, match="--backbone-loss must be a weight >= 0"):
         own_config(marks, tmp_path / "c", backbone_loss=-1.0)
+
+
+def test_a_run_on_many_classes_starts_its_class_transforms_at_ten_classes_scale(tmp_path):
+    """More than 10 labels of a user's: the class capsule transforms start at the authors' init for 10 classes
+    (``init_classes``, recorded with its reason); up to 10, and with ``--set init_classes=N``, as the config says."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 3), ("test", 1)):
+        for label in range(12):
+            folder = tmp_path / "many" / split / f"c{label}"
+            folder.mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    cpu = torch.device("cpu")
+    plan = plan_run(own_config(tmp_path / "many", tmp_path / "a", val_size=0), None, Dist(), cpu)
+    assert plan.config.init_classes == 10 and "12 classes" in plan.reasons["init_classes"]
+    theirs = dataclasses.replace(plan, config=dataclasses.replace(plan.config, init_classes=None))
+    ratio = plan.build_model().capsules[-1].weight.std() / theirs.build_model().capsules[-1].weight.std()
+    assert ratio.item() == pytest.approx((10 / 12) ** 0.5, rel=1e-3)
+    overrides = {**tiny_overrides("cifar10-conv"), "init_classes": 12}
+    given = own_config(tmp_path / "many", tmp_path / "b", val_size=0, overrides=overrides)
+    assert plan_run(given, None, Dist(), cpu).config.init_classes == 12
