@@ -16,9 +16,12 @@ from capserve.data.builtin import dataset_for, load_test, load_validation
 from capserve.data.own import Manifest, check_data_exists, check_labels, is_own_data, scan
 from capserve.evaluate.evaluator import calibrate, evaluate, evaluate_own, own_samples
 from capserve.evaluate.metrics import by_label, metrics
-from capserve.evaluate.plots import plot_confusion, plot_iterations
+from capserve.evaluate.plots import COUNTED_LABELS, plot_confusion, plot_iterations
 from capserve.model.checkpoint import CONFIG
 from capserve.model.factory import load
+
+# the most frequent confusions printed in place of a matrix too wide for a terminal (``COUNTED_LABELS``)
+PRINTED_CONFUSIONS = 10
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +225,25 @@ def print_results(
                 f"{lab:>{width}} {main['precision'][lab]:9.3f} {main['recall'][lab]:7.3f} {main['f1'][lab]:6.3f} "
                 f"{main['support'][lab]:7d}"
             )
+        print_confusion(main["confusion"], c.labels, width)
+
+
+def print_confusion(confusion: list[list[int]], labels: tuple[str, ...], width: int) -> None:
+    """The confusion matrix, whole up to ``COUNTED_LABELS`` labels; beyond, its most frequent confusions (the whole
+    matrix is evaluation.json's and confusion.png's, with ``--out``)."""
+    if len(labels) <= COUNTED_LABELS:
         print("confusion matrix (rows true, columns predicted):")
-        for lab, row in zip(c.labels, main["confusion"], strict=True):
+        for lab, row in zip(labels, confusion, strict=True):
             print(f"{lab:>{width}} " + " ".join(f"{v:5d}" for v in row))
+        return
+    counts = torch.tensor(confusion).fill_diagonal_(0)  # (C, C), only the mistakes
+    top = counts.flatten().topk(min(PRINTED_CONFUSIONS, counts.numel()))
+    pairs = [
+        (divmod(i, len(labels)), n) for i, n in zip(top.indices.tolist(), top.values.tolist(), strict=True) if n > 0
+    ]
+    print(
+        f"most frequent confusions of {len(labels)} labels (the whole matrix: --out DIR writes evaluation.json and "
+        "confusion.png):" + ("" if pairs else " none")
+    )
+    for (true, predicted), n in pairs:
+        print(f"{labels[true]:>{width}} taken for {labels[predicted]}: {n} image{'s' * (n != 1)}")

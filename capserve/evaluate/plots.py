@@ -69,6 +69,9 @@ def plot_iterations(results: dict[int, dict[str, Any]], key: str, png: Path, tit
     return png
 
 
+COUNTED_LABELS = 30  # up to this many labels a confusion matrix shows its counts (PNG) or prints whole (terminal)
+
+
 def plot_confusion(confusion: list[list[int]], labels: Sequence[str], png: Path, title: str) -> Path | None:
     """The confusion matrix as a PNG with the label names (rows true, columns predicted; counts for ≤ 30 labels)."""
     plt = _pyplot(png)
@@ -83,7 +86,7 @@ def plot_confusion(confusion: list[list[int]], labels: Sequence[str], png: Path,
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_title(title)
-    if C <= 30:
+    if C <= COUNTED_LABELS:
         peak = max(max(row) for row in confusion) or 1
         for i, row in enumerate(confusion):
             for j, v in enumerate(row):

@@ -28,6 +28,7 @@ from capserve.data.images import preprocess
 from capserve.data.own import Sample, carve, scan
 from capserve.errors import DataError
 from capserve.evaluate import evaluator as evaluate_module
+from capserve.evaluate.cli import print_confusion
 from capserve.model.capsnet import CapsNet
 from capserve.routing import fused as kernel
 from capserve.runtime.metadata import ModelMetadata
@@ -254,6 +255,33 @@ def test_evaluate_json_and_confusion_png(run, folder, tmp_path, capsys):
     bare = write_folder(tmp_path / "unseen", train=2)  # a plain folder: every image is evaluated
     assert main(["evaluate", str(out / "best"), "--data", str(bare), "--iterations", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["images"] == 6
+
+
+def test_evaluate_prints_a_wide_confusion_matrix_as_its_most_frequent_mistakes(capsys):
+    """Up to 30 labels the terminal gets the whole matrix; a 100-label one would be 100 lines of 100 columns, so
+    it gets the ten most frequent confusions, most frequent first, and where the whole matrix is written."""
+    few = ("cat", "dog", "owl")
+    print_confusion([[5, 2, 0], [1, 6, 0], [0, 0, 3]], few, 10)
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "       cat     5     2     0",
+        "       dog     1     6     0",
+        "       owl     0     0     3",
+    ]
+    labels = tuple(f"{i:02d}" for i in range(100))
+    confusion = torch.eye(100, dtype=torch.long) * 9
+    for i in range(12):  # twelve mistakes, i + 1 images each: 37 taken for 73 most often
+        confusion[(i * 7) % 100, (i * 11 + 3) % 100] = i + 1
+    confusion[37, 73] = 40
+    print_confusion(confusion.tolist(), labels, 10)
+    lines = capsys.readouterr().out.splitlines()
+    assert "100 labels" in lines[0] and "evaluation.json" in lines[0] and len(lines) == 11
+    assert lines[1].split() == ["37", "taken", "for", "73:", "40", "images"]
+    assert lines[-1].split()[-2:] == ["4", "images"]  # the tenth largest of 40, 12, 11, ..., 1
+    print_confusion((torch.eye(100, dtype=torch.long) * 9).tolist(), labels, 10)
+    assert capsys.readouterr().out.splitlines() == [
+        "most frequent confusions of 100 labels (the whole matrix: --out DIR writes evaluation.json and "
+        "confusion.png): none"
+    ]
 
 
 def test_evaluate_a_folder_with_only_test_images(run, folder, tmp_path, capsys):
