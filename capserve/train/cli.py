@@ -135,6 +135,14 @@ def _add_recipe(p: argparse.ArgumentParser) -> None:
         "weighted W beside the capsules' (training only: the saved model is the capsule network alone). Default: 1 "
         "for your own images, 0 (off) for the built-in data sets (docs/own-data.md)",
     )
+    p.add_argument(
+        "--backbone-loss-grid",
+        type=int,
+        metavar="N",
+        help="that classifier reads the backbone's map average-pooled to N×N cells. Default: 2 where the class "
+        "capsule transforms are per position (the labels follow where things lie), 1 (a global average) where "
+        "they are shared (docs/own-data.md)",
+    )
     p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9; Adam and AdamW take none)")
     p.add_argument(
         "--weight-decay",
@@ -221,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
             lr=args.lr,
             capsule_lr_scale=args.capsule_lr_scale,
             backbone_loss=args.backbone_loss,
+            backbone_loss_grid=args.backbone_loss_grid,
             momentum=args.momentum,
             weight_decay=args.weight_decay,
             schedule=args.schedule,

@@ -73,6 +73,12 @@ AUTO_CAPSULE_LR_SCALE = {"builtin": 1.0, "own": 1.0}
 # across the battery (docs/own-data.md, "Capsules beside the CNN"); the built-in data sets keep the paper's recipe.
 AUTO_BACKBONE_LOSS = {"builtin": 0.0, "own": 1.0}
 
+# The grid the backbone classifier averages the backbone's map over (N×N), without --backbone-loss-grid, by the class
+# capsule transforms the run has: where the labels follow where things lie (a transform per position), a 2×2 grid
+# keeps where a stroke or a digit lies, which a global pool loses; where they do not (shared transforms), one global
+# pool (docs/own-data.md, "The backbone classifier's grid").
+AUTO_BACKBONE_LOSS_GRID = {"per_position": 2, "shared": 1}
+
 
 @dataclass
 class TrainConfig:
@@ -87,6 +93,7 @@ class TrainConfig:
     lr: float | None = None  # None: the optimizer's own default (DEFAULT_LR)
     capsule_lr_scale: float | None = None  # the capsule layers' lr over the backbone's; None: AUTO_CAPSULE_LR_SCALE
     backbone_loss: float | None = None  # the backbone classifier's loss weight (0: none); None: AUTO_BACKBONE_LOSS
+    backbone_loss_grid: int | None = None  # its N×N average pool; None: AUTO_BACKBONE_LOSS_GRID (resolved by the plan)
     momentum: float | None = None  # SGD only; None: 0.9
     optimizer: str = "auto"  # OPTIMIZERS; "auto" is resolved by the training set-up (``resolve_recipe``)
     weight_decay: float | None = None  # None: DEFAULT_WEIGHT_DECAY of the optimizer (resolved likewise)
@@ -142,6 +149,8 @@ class TrainConfig:
             raise ValueError(f"--capsule-lr-scale must be positive, got {self.capsule_lr_scale}")
         if self.backbone_loss is not None and not 0 <= self.backbone_loss < math.inf:
             raise ValueError(f"--backbone-loss must be a weight >= 0 (0: none), got {self.backbone_loss}")
+        if self.backbone_loss_grid is not None and self.backbone_loss_grid < 1:
+            raise ValueError(f"--backbone-loss-grid must be >= 1 (1: a global average), got {self.backbone_loss_grid}")
         if self.label_map and not self.init:
             raise ValueError("--label-map renames labels of the --init model: give --init MODEL_DIR too")
         if self.name is not None and not self.name.strip():
@@ -201,4 +210,5 @@ def read_resume_config(path: str | Path) -> TrainConfig:
     recorded = json.loads((last / "trainer.json").read_text())["train_config"]
     recorded.setdefault("capsule_lr_scale", 1.0)  # a run recorded before the scale existed trained at one lr
     recorded.setdefault("backbone_loss", 0.0)  # ... and before the backbone loss, without one
+    recorded.setdefault("backbone_loss_grid", 1)  # ... and before its grid, with a global average
     return TrainConfig(**recorded)

@@ -211,7 +211,9 @@ def set_up(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.d
     model = plan.build_model()
     init = init_from(model, cfg.init, cfg.label_map) if cfg.init and resume is None else None
     net = place(model, cfg, d, device)
-    head = backbone_classifier(model, cfg.backbone_loss)  # built after the model: its weights are the same without
+    head = backbone_classifier(
+        model, cfg.backbone_loss, cfg.backbone_loss_grid
+    )  # built after the model: its weights are the same without
     if head is not None:
         head.to(device)
     opt = make_optimizer(model, cfg, head)

@@ -27,11 +27,11 @@ from capserve.data.preprocess import data_mean_std
 from capserve.data.splits import Split
 from capserve.files import write_whole
 from capserve.model.factory import Model, build_model
-from capserve.train.config import DEFAULT_LR, DEFAULT_VAL_SIZE, TrainConfig, resolve_recipe
+from capserve.train.config import AUTO_BACKBONE_LOSS_GRID, DEFAULT_LR, DEFAULT_VAL_SIZE, TrainConfig, resolve_recipe
 from capserve.train.distributed import Dist
 from capserve.train.state import check_init
 
-__all__ = ["TRAIN_CONFIG", "Plan", "chooses_class_weights", "model_config", "plan_run", "val_size_of"]
+__all__ = ["RESUMED", "TRAIN_CONFIG", "Plan", "chooses_class_weights", "model_config", "plan_run", "val_size_of"]
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,16 @@ def recipe_reasons(given: TrainConfig, cfg: TrainConfig, own: bool, resume: str 
     """Why the optimizer, schedule and batch size of ``cfg`` (``given``, resolved) are what they are."""
     if resume is not None:
         return dict.fromkeys(
-            ("optimizer", "schedule", "batch_size", "capsule_lr_scale", "backbone_loss", "class_weights", "augment"),
+            (
+                "optimizer",
+                "schedule",
+                "batch_size",
+                "capsule_lr_scale",
+                "backbone_loss",
+                "backbone_loss_grid",
+                "class_weights",
+                "augment",
+            ),
             RESUMED,
         )
     data = "your own images" if own else "the built-in data sets"
@@ -216,6 +225,23 @@ def backbone_loss(cfg: TrainConfig, config: ModelConfig, given: TrainConfig) -> 
     if given.backbone_loss is not None:
         raise ValueError(f"--backbone-loss trains a capsule network's backbone, and {why}: drop --backbone-loss")
     return dataclasses.replace(cfg, backbone_loss=0.0), why
+
+
+def backbone_loss_grid(cfg: TrainConfig, config: ModelConfig, resume: str | Path | None) -> tuple[TrainConfig, str]:
+    """``cfg`` with the backbone classifier's pooling grid resolved (and why): as given, or by the run's class capsule
+    transforms (``AUTO_BACKBONE_LOSS_GRID``); 1 where there is no backbone loss. Given to a run without one, it is a
+    mistake the user hears about."""
+    if resume is not None:
+        return cfg, RESUMED
+    if not cfg.backbone_loss:
+        if cfg.backbone_loss_grid is not None:
+            raise ValueError("--backbone-loss-grid pools the backbone loss's classifier, and this run has none")
+        return dataclasses.replace(cfg, backbone_loss_grid=1), "no backbone loss"
+    if cfg.backbone_loss_grid is not None:
+        return cfg, "given"
+    grid = AUTO_BACKBONE_LOSS_GRID[config.class_weights]
+    where = "per position" if config.class_weights == "per_position" else "shared"
+    return dataclasses.replace(cfg, backbone_loss_grid=grid), f"the class layer's transforms are {where}"
 
 
 def fit_batch(cfg: TrainConfig, data: Data, given: bool, d: Dist) -> tuple[TrainConfig, str | None]:
@@ -269,8 +295,11 @@ def log_choices(plan: Plan, d: Dist) -> None:
         )
         if cfg.backbone_loss:
             log.info(
-                "backbone loss: a classifier on the pooled backbone features trains beside the capsules, weight %g "
-                "(%s; training only, not in the saved model; --backbone-loss 0 turns it off)",
+                "backbone loss: a classifier on the backbone features pooled to %d×%d (%s) trains beside the "
+                "capsules, weight %g (%s; training only, not in the saved model; --backbone-loss 0 turns it off)",
+                cfg.backbone_loss_grid,
+                cfg.backbone_loss_grid,
+                plan.reasons["backbone_loss_grid"],
                 cfg.backbone_loss,
                 plan.reasons["backbone_loss"],
             )
@@ -325,6 +354,7 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
         reasons["augment"] = augment_reason(dataset)
     reasons.setdefault("augment", "given")
     reasons.setdefault("class_weights", "given" if "class_weights" in cfg.overrides else "the model config's")
+    cfg, reasons["backbone_loss_grid"] = backbone_loss_grid(cfg, config, resume)
     reasons.setdefault("mean_std", "kept with --init (the model config's)" if cfg.init else "the model config's")
     if config.stem_pool > 1 and "stem_pool" not in cfg.overrides:
         reasons["stem_pool"] = (

@@ -16,6 +16,7 @@ from support.data import write_marks
 from support.models import tiny_overrides
 
 import capserve
+from capserve.cli import main
 from capserve.data.cache import CACHE_FILE
 from capserve.data.preprocess import data_mean_std
 from capserve.model.capsnet import CapsNet
@@ -24,7 +25,7 @@ from capserve.train.config import TrainConfig, read_resume_config, resolve_recip
 from capserve.train.distributed import Dist
 from capserve.train.loop import train
 from capserve.train.optimizer import make_optimizer
-from capserve.train.plan import plan_run
+from capserve.train.plan import RESUMED, plan_run
 
 REASONS = {
     "optimizer",
@@ -32,6 +33,7 @@ REASONS = {
     "batch_size",
     "capsule_lr_scale",
     "backbone_loss",
+    "backbone_loss_grid",
     "augment",
     "class_weights",
     "mean_std",
@@ -228,6 +230,57 @@ def test_own_images_train_a_backbone_classifier_beside_the_capsules_and_nothing_
         train(given)
     with pytest.raises(ValueError, match="--backbone-loss must be a weight >= 0"):
         own_config(marks, tmp_path / "c", backbone_loss=-1.0)
+
+
+def test_the_backbone_classifier_keeps_where_things_lie_where_the_labels_follow_it(marks, tmp_path):
+    """``--backbone-loss-grid``: the backbone classifier pools the backbone's map to 2×2 where the run's class
+    capsule transforms are per position (the labels follow where things lie), globally where they are shared; as
+    given with the flag; recorded with its reason; and a mistake the user hears about on a run without the loss."""
+    rng = np.random.default_rng(1)
+    centred = write_marks(tmp_path / "centred", 10, rng, placed=False)
+    runs = {"anywhere": marks, "centred": centred, "given": marks}
+    expected = {
+        "anywhere": ("shared", 1, "the class layer's transforms are shared"),
+        "centred": ("per_position", 2, "the class layer's transforms are per position"),
+        "given": ("shared", 3, "given"),
+    }
+    for name, data in runs.items():
+        out = tmp_path / name
+        if name == "given":  # the flag, as a user gives it
+            args = ["--data", str(data), "--out", str(out), "--epochs", "1", "--max-steps", "1", "--no-test"]
+            assert main(["train", *args, "--backbone-loss-grid", "3"]) in (0, 1)
+        else:
+            train(own_config(data, out, max_steps=1))
+        record = json.loads((out / "train_config.json").read_text())
+        weights, grid, reason = expected[name]
+        assert record["overrides"]["class_weights"] == weights
+        assert (record["backbone_loss_grid"], record["reasons"]["backbone_loss_grid"]) == (grid, reason)
+        model = capserve.load(out / "best")
+        head = load_file(out / "last" / "optimizer.safetensors")["backbone_head.linear.weight"]
+        assert head.shape == (len(model.config.labels), model.config.backbone_channels * grid * grid)
+    with pytest.raises(ValueError, match="--backbone-loss-grid pools the backbone loss's classifier"):
+        train(own_config(marks, tmp_path / "none", backbone_loss=0.0, backbone_loss_grid=2))
+    with pytest.raises(ValueError, match="--backbone-loss-grid must be >= 1"):
+        own_config(marks, tmp_path / "zero", backbone_loss_grid=0)
+
+
+def test_a_run_recorded_before_the_backbone_classifier_grid_resumes_with_a_global_pool(tmp_path):
+    """A run whose record has no ``backbone_loss_grid`` trained its backbone classifier on a global average pool,
+    whatever its class transforms: ``--resume`` continues that classifier, with its optimizer state."""
+    centred = write_marks(tmp_path / "centred", 10, np.random.default_rng(1), placed=False)
+    out = tmp_path / "run"
+    train(own_config(centred, out, epochs=2, max_steps=1, backbone_loss_grid=1))
+    for path in (out / "last" / "trainer.json", out / "train_config.json"):
+        record = json.loads(path.read_text())
+        del record.get("train_config", record)["backbone_loss_grid"]
+        path.write_text(json.dumps(record))
+    before = load_file(out / "last" / "optimizer.safetensors")["backbone_head.linear.weight"]
+    summary = train(read_resume_config(out), resume=out)
+    assert summary["best_epoch"] is not None
+    after = load_file(out / "last" / "optimizer.safetensors")["backbone_head.linear.weight"]
+    assert after.shape == before.shape and not torch.equal(after, before)  # the same classifier, trained on
+    assert json.loads((out / "last" / "trainer.json").read_text())["train_config"]["backbone_loss_grid"] == 1
+    assert json.loads((out / "train_config.json").read_text())["reasons"]["backbone_loss_grid"] == RESUMED
 
 
 def test_a_run_on_many_classes_starts_its_class_transforms_at_ten_classes_scale(tmp_path):
