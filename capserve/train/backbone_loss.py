@@ -5,7 +5,7 @@ on a user's few thousand images the backbone then learns less in a short run tha
 top of it read weaker features (docs/own-data.md, "Capsules beside the CNN"). A linear classifier on the backbone's
 pooled features gives it a direct signal from the first step, the way auxiliary classifiers do in deep supervision.
 Its pool is a grid (``--backbone-loss-grid N``, N×N cells): a global average where the labels do not follow where
-things lie, 2×2 where they do, so that it keeps where a stroke or a digit lies. The classifier lives beside the
+things lie, 4×4 where they do, so that it keeps where a stroke or a digit lies. The classifier lives beside the
 model, never in it: ``best/`` and every export hold the capsule network alone, and the served answers are the
 capsules'. ``last/`` keeps its weights, so ``--resume`` continues it.
 """

@@ -139,9 +139,9 @@ def _add_recipe(p: argparse.ArgumentParser) -> None:
         "--backbone-loss-grid",
         type=int,
         metavar="N",
-        help="that classifier reads the backbone's map average-pooled to N×N cells. Default: 2 where the class "
-        "capsule transforms are per position (the labels follow where things lie), 1 (a global average) where "
-        "they are shared (docs/own-data.md)",
+        help="that classifier reads the backbone's map average-pooled to N×N cells, N at most the map's side. "
+        "Default: 4 where the class capsule transforms are per position (the labels follow where things lie), 1 (a "
+        "global average) where they are shared (docs/own-data.md)",
     )
     p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9; Adam and AdamW take none)")
     p.add_argument(

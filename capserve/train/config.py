@@ -74,10 +74,11 @@ AUTO_CAPSULE_LR_SCALE = {"builtin": 1.0, "own": 1.0}
 AUTO_BACKBONE_LOSS = {"builtin": 0.0, "own": 1.0}
 
 # The grid the backbone classifier averages the backbone's map over (N×N), without --backbone-loss-grid, by the class
-# capsule transforms the run has: where the labels follow where things lie (a transform per position), a 2×2 grid
-# keeps where a stroke or a digit lies, which a global pool loses; where they do not (shared transforms), one global
-# pool (docs/own-data.md, "The backbone classifier's grid").
-AUTO_BACKBONE_LOSS_GRID = {"per_position": 2, "shared": 1}
+# capsule transforms the run has: where the labels follow where things lie (a transform per position), a 4×4 grid
+# keeps where a stroke or a digit lies, which a global pool loses (a 2×2 one keeps less, an 8×8 one no more); where
+# they do not (shared transforms), one global pool (docs/own-data.md, "The backbone classifier's grid"). No grid is
+# finer than the backbone's map.
+AUTO_BACKBONE_LOSS_GRID = {"per_position": 4, "shared": 1}
 
 
 @dataclass

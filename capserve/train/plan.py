@@ -238,8 +238,13 @@ def backbone_loss_grid(cfg: TrainConfig, config: ModelConfig, resume: str | Path
             raise ValueError("--backbone-loss-grid pools the backbone loss's classifier, and this run has none")
         return dataclasses.replace(cfg, backbone_loss_grid=1), "no backbone loss"
     if cfg.backbone_loss_grid is not None:
+        if cfg.backbone_loss_grid > config.feature_size:
+            raise ValueError(
+                f"--backbone-loss-grid {cfg.backbone_loss_grid} is finer than the backbone's "
+                f"{config.feature_size}×{config.feature_size} map: give at most {config.feature_size}"
+            )
         return cfg, "given"
-    grid = AUTO_BACKBONE_LOSS_GRID[config.class_weights]
+    grid = min(AUTO_BACKBONE_LOSS_GRID[config.class_weights], config.feature_size)
     where = "per position" if config.class_weights == "per_position" else "shared"
     return dataclasses.replace(cfg, backbone_loss_grid=grid), f"the class layer's transforms are {where}"
 

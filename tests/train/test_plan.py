@@ -233,15 +233,16 @@ def test_own_images_train_a_backbone_classifier_beside_the_capsules_and_nothing_
 
 
 def test_the_backbone_classifier_keeps_where_things_lie_where_the_labels_follow_it(marks, tmp_path):
-    """``--backbone-loss-grid``: the backbone classifier pools the backbone's map to 2×2 where the run's class
+    """``--backbone-loss-grid``: the backbone classifier pools the backbone's map to 4×4 where the run's class
     capsule transforms are per position (the labels follow where things lie), globally where they are shared; as
-    given with the flag; recorded with its reason; and a mistake the user hears about on a run without the loss."""
+    given with the flag; recorded with its reason; and a mistake the user hears about on a run without the loss or
+    finer than the backbone's map."""
     rng = np.random.default_rng(1)
     centred = write_marks(tmp_path / "centred", 10, rng, placed=False)
     runs = {"anywhere": marks, "centred": centred, "given": marks}
     expected = {
         "anywhere": ("shared", 1, "the class layer's transforms are shared"),
-        "centred": ("per_position", 2, "the class layer's transforms are per position"),
+        "centred": ("per_position", 4, "the class layer's transforms are per position"),
         "given": ("shared", 3, "given"),
     }
     for name, data in runs.items():
@@ -262,6 +263,9 @@ def test_the_backbone_classifier_keeps_where_things_lie_where_the_labels_follow_
         train(own_config(marks, tmp_path / "none", backbone_loss=0.0, backbone_loss_grid=2))
     with pytest.raises(ValueError, match="--backbone-loss-grid must be >= 1"):
         own_config(marks, tmp_path / "zero", backbone_loss_grid=0)
+    side = model.config.feature_size
+    with pytest.raises(ValueError, match=f"finer than the backbone's {side}×{side} map: give at most {side}"):
+        train(own_config(marks, tmp_path / "finer", backbone_loss_grid=side + 1))
 
 
 def test_a_run_recorded_before_the_backbone_classifier_grid_resumes_with_a_global_pool(tmp_path):
