@@ -201,6 +201,10 @@ class ModelConfig:
     # steps move: a user's many-class run starts as the authors' 10-class one (attention routing only)
     init_classes: int | None = None
     layer_norm: bool = True  # ablation: False replaces LayerNorm by identity
+    # the class capsules' LayerNorm: over each class capsule's pose alone ("per_class", the paper's), or over all
+    # class capsules together ("joint"), so that a class with little evidence keeps a small pose (and logit) instead
+    # of one as large as the winner's (attention routing with layer_norm only)
+    class_norm: Literal["per_class", "joint"] = "per_class"
     activations: bool = False  # ablation: children scaled by a learned sigmoid activation before voting
     # multi-label decision thresholds per class, calibrated on a validation split (None: 0.5 each)
     thresholds: tuple[float, ...] | None = None
@@ -232,18 +236,7 @@ class ModelConfig:
             raise ValueError(f"routing must be 'concurrent' or 'sequential', got {self.routing!r}")
         if self.routing_algorithm not in ROUTING_ALGORITHMS:
             raise ValueError(f"routing_algorithm must be one of {ROUTING_ALGORITHMS}, got {self.routing_algorithm!r}")
-        if self.class_weights not in ("per_position", "shared"):
-            raise ValueError(f"class_weights must be 'per_position' or 'shared', got {self.class_weights!r}")
-        if self.class_weights == "shared" and self.routing_algorithm != "attention":
-            raise ValueError(
-                f"class_weights='shared' is attention routing's; {self.routing_algorithm} routing "
-                "brings its own class layer"
-            )
-        if self.init_classes is not None and (self.init_classes < 1 or self.routing_algorithm != "attention"):
-            raise ValueError(
-                f"init_classes is attention routing's class layer init, a count >= 1; got {self.init_classes} "
-                f"({self.routing_algorithm} routing)"
-            )
+        self._check_class_layer()
         if self.routing_algorithm != "attention" and self.routing != "sequential":
             raise ValueError(
                 f"{self.routing_algorithm} routing runs all iterations of a layer before the next, as its paper "
@@ -284,6 +277,28 @@ class ModelConfig:
                     f"{self.name}: feature map shrinks to {size} (sizes {self.spatial_sizes}); "
                     "use a larger image_size or smaller kernels/strides"
                 )
+
+    def _check_class_layer(self) -> None:
+        """The class capsule layer's options: attention routing's, each one of its values."""
+        if self.class_weights not in ("per_position", "shared"):
+            raise ValueError(f"class_weights must be 'per_position' or 'shared', got {self.class_weights!r}")
+        if self.class_weights == "shared" and self.routing_algorithm != "attention":
+            raise ValueError(
+                f"class_weights='shared' is attention routing's; {self.routing_algorithm} routing "
+                "brings its own class layer"
+            )
+        if self.class_norm not in ("per_class", "joint"):
+            raise ValueError(f"class_norm must be 'per_class' or 'joint', got {self.class_norm!r}")
+        if self.class_norm == "joint" and (self.routing_algorithm != "attention" or not self.layer_norm):
+            raise ValueError(
+                "class_norm='joint' is a LayerNorm over attention routing's class capsules: it needs "
+                f"routing_algorithm='attention' and layer_norm=True (got {self.routing_algorithm!r}, {self.layer_norm})"
+            )
+        if self.init_classes is not None and (self.init_classes < 1 or self.routing_algorithm != "attention"):
+            raise ValueError(
+                f"init_classes is attention routing's class layer init, a count >= 1; got {self.init_classes} "
+                f"({self.routing_algorithm} routing)"
+            )
 
     @property
     def num_classes(self) -> int:
@@ -378,7 +393,7 @@ MODELS: dict[str, ModelConfig] = {
         # layers instead of one conv, whose features left the capsules far behind a plain CNN; and capsule
         # activations, so that a child with nothing to say (background, clutter) can fall silent: a LayerNorm'd pose
         # has the same size wherever it lies, and without a gate every position votes in full. Training on your own
-        # images picks its class_weights from the data (capserve.data.placement).
+        # images picks its class_weights from the data (capserve.data.placement), and its class_norm from the task.
         ModelConfig("cifar10-conv", CIFAR10_LABELS, backbone="conv", capsules=_cifar_layers(), activations=True),
         ModelConfig("cifar100-resnet", CIFAR100_LABELS, pose_dim=36, capsules=_cifar_layers((20,))),
         ModelConfig("cifar100-simple", CIFAR100_LABELS, backbone="simple", pose_dim=36, capsules=_cifar_layers((20,))),

@@ -85,6 +85,8 @@ class CapsNet(nn.Module):
         shared = {"shared": True} if c.class_weights == "shared" else {}
         if c.init_classes is not None:
             shared["init_types"] = c.init_classes
+        if c.class_norm == "joint":
+            shared["joint_norm"] = True
         self.capsules = nn.ModuleList(
             routing.layer(
                 spec,

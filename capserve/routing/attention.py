@@ -230,8 +230,12 @@ def routing_step(
     return new, torch.cat(coefficients).view(B, P, N, J)  # (B, P, N, J)
 
 
-def pose_norm(dim: int, enabled: bool) -> nn.Module:
-    return nn.LayerNorm(dim) if enabled else nn.Identity()
+def pose_norm(dim: int, enabled: bool, types: int | None = None) -> nn.Module:
+    """LayerNorm over each pose of ``dim`` values, or with ``types`` over all of a position's ``types`` poses
+    together (the last two dims of (..., J, D)); identity when not ``enabled``."""
+    if not enabled:
+        return nn.Identity()
+    return nn.LayerNorm(dim if types is None else (types, dim))
 
 
 class PrimaryCapsules(nn.Module):
@@ -295,6 +299,9 @@ class CapsuleLayer(nn.Module):
         in_types: child capsule types I.
         in_size: side of the child grid (0 when the children come from an fc layer).
         pose: "matrix" or "vector"; pose_dim D is the same for children and parents.
+        shared: fc from a grid: one transform per child type, whatever its position (``votes_weight``).
+        init_types: the authors' init as for this many parent types (``ModelConfig.init_classes``).
+        joint_norm: one LayerNorm over all J parents of a position (``ModelConfig.class_norm="joint"``).
     Shapes:
         children: (B, H, W, I, D) or (B, I, D); parents: (B, h, w, J, D) (conv) or (B, J, D) (fc).
     """
@@ -310,6 +317,7 @@ class CapsuleLayer(nn.Module):
         activations: bool = False,
         shared: bool = False,
         init_types: int | None = None,
+        joint_norm: bool = False,
     ):
         super().__init__()
         self.kind, self.kernel_size, self.stride = config.kind, config.kernel_size, config.stride
@@ -330,7 +338,8 @@ class CapsuleLayer(nn.Module):
         n //= self.positions
         self.weight = nn.Parameter(torch.randn(n, config.types, x, y) * std)  # (N, J, X, Y), N = (kh, kw, I)
 
-        self.norm = pose_norm(pose_dim, layer_norm)
+        # joint: one LayerNorm over all J parents of a position, so that their sizes still say which got the votes
+        self.norm = pose_norm(pose_dim, layer_norm, config.types if joint_norm else None)
         self.activation = nn.Linear(pose_dim, 1) if activations else None
 
     def votes_weight(self) -> Tensor:

@@ -31,7 +31,16 @@ from capserve.train.config import AUTO_BACKBONE_LOSS_GRID, DEFAULT_LR, DEFAULT_V
 from capserve.train.distributed import Dist
 from capserve.train.state import check_init
 
-__all__ = ["RESUMED", "TRAIN_CONFIG", "Plan", "chooses_class_weights", "model_config", "plan_run", "val_size_of"]
+__all__ = [
+    "RESUMED",
+    "TRAIN_CONFIG",
+    "Plan",
+    "chooses_class_weights",
+    "class_norm",
+    "model_config",
+    "plan_run",
+    "val_size_of",
+]
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +135,26 @@ def init_classes(cfg: TrainConfig, config: ModelConfig, classes: int) -> int | N
     if "init_classes" in cfg.overrides or cfg.init or not config.has_routing or config.routing_algorithm != "attention":
         return config.init_classes
     return INIT_CLASSES if classes > INIT_CLASSES else None
+
+
+def class_norm(cfg: TrainConfig, manifest: Manifest | None, resume: str | Path | None) -> tuple[TrainConfig, str]:
+    """``cfg`` with the class capsules' LayerNorm chosen (and why). A new run from scratch on a user's images, of an
+    attention capsule model with LayerNorm, normalises its class capsules together where one label answers
+    (single-label: the classes compete for it, as the softmax over their logits does) and each alone where every
+    label answers on its own (multi-label), recorded in ``overrides`` so that ``--resume`` rebuilds the same model
+    (docs/own-data.md, "The class capsules under one LayerNorm"). Otherwise the config's: as given with ``--set
+    class_norm=...``, ``--init``'s model's, a resumed run's record, and on the built-in data sets."""
+    if "class_norm" in cfg.overrides:
+        return cfg, RESUMED if resume is not None else "given"
+    config = get_config(cfg.model, **cfg.overrides)
+    attention = config.has_routing and config.routing_algorithm == "attention" and config.layer_norm
+    if manifest is None or resume is not None or cfg.init or not attention:
+        return cfg, "the model config's"
+    if manifest.task == "multi_label":
+        norm, why = "per_class", "multi-label: each label answers on its own, so each class capsule is normalised alone"
+    else:
+        norm, why = "joint", "single-label: the class capsules compete for one answer, under one LayerNorm"
+    return dataclasses.replace(cfg, overrides={**cfg.overrides, "class_norm": norm}), why
 
 
 def chooses_class_weights(cfg: TrainConfig, config: ModelConfig, resume: str | Path | None) -> bool:
@@ -321,6 +350,8 @@ def log_choices(plan: Plan, d: Dist) -> None:
         log.info("stem: %s", plan.reasons["stem_pool"])
     if "init_classes" in plan.reasons and d.main:
         log.info("class capsule init: %s", plan.reasons["init_classes"])
+    if config.has_routing and d.main:
+        log.info("class capsule norm: %s (%s)", config.class_norm, plan.reasons["class_norm"])
     if plan.manifest is not None and not cfg.init:
         log.info("mean/std from the %d training images: %s / %s", len(plan.data.train), config.mean, config.std)
 
@@ -333,6 +364,7 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
     cfg = resolve_recipe(cfg, own_data=manifest is not None)  # recorded in train_config.json as resolved
     if cfg.batch_size % d.world:
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes {d.world}")
+    cfg, norm_reason = class_norm(cfg, manifest, resume)
     config = model_config(cfg, manifest)
     dataset = config.extra["data"]["dataset"]
     if cfg.init and resume is None:
@@ -359,6 +391,7 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
         reasons["augment"] = augment_reason(dataset)
     reasons.setdefault("augment", "given")
     reasons.setdefault("class_weights", "given" if "class_weights" in cfg.overrides else "the model config's")
+    reasons["class_norm"] = norm_reason
     cfg, reasons["backbone_loss_grid"] = backbone_loss_grid(cfg, config, resume)
     reasons.setdefault("mean_std", "kept with --init (the model config's)" if cfg.init else "the model config's")
     if config.stem_pool > 1 and "stem_pool" not in cfg.overrides:

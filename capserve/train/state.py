@@ -140,13 +140,16 @@ def parse_label_map(items: list[str] | None) -> dict[str, str]:
     return out
 
 
-def _class_dim(leaf: str, routing: bool) -> int | None:
+def _class_dim(leaf: str, routing: bool, ndim: int) -> int | None:
     """The dimension of a class-layer tensor that indexes the classes (None: shared by every class).
 
-    Class capsules: ``weight`` (N, J, X, Y) and EM's ``beta_v``/``beta_a`` (J,); their LayerNorm acts on each pose
-    and is shared. A CNN's classifier: ``weight`` (C, F) and ``bias`` (C,)."""
+    Class capsules: ``weight`` (N, J, X, Y), EM's ``beta_v``/``beta_a`` (J,) and a joint LayerNorm's ``norm.weight``
+    and ``norm.bias`` (J, D) (``class_norm="joint"``); a LayerNorm of each pose alone (D,) is shared. A CNN's
+    classifier: ``weight`` (C, F) and ``bias`` (C,)."""
     if not routing:
         return 0
+    if leaf in ("norm.weight", "norm.bias"):
+        return 0 if ndim == 2 else None
     return {"weight": 1, "beta_v": 0, "beta_a": 0}.get(leaf)
 
 
@@ -195,7 +198,7 @@ def _match_tensors(
     loaded, partial, new = {}, [], []
     for name, tensor in model.state_dict().items():
         match = weights.get(name)
-        dim = _class_dim(name[len(class_layer) :], routing) if name.startswith(class_layer) else None
+        dim = _class_dim(name[len(class_layer) :], routing, tensor.ndim) if name.startswith(class_layer) else None
         if match is None:
             new.append(name)
         elif dim is None or same_classes:

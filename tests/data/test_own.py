@@ -407,7 +407,9 @@ def test_fine_tuning_keeps_the_class_capsules_of_matching_labels(run, caplog):
     out, _ = run
     source = capserve.load(out / "best").state_dict()
     weight = f"capsules.{len(capserve.load(out / 'best').capsules) - 1}.weight"  # (N, J, X, Y): J the classes
-    kw = dict(**tiny_overrides("cifar10-simple"), image_size=SIZE)
+    kw = dict(
+        **tiny_overrides("cifar10-simple"), image_size=SIZE, class_norm=capserve.read_config(out / "best").class_norm
+    )
     target = capserve.create_model("cifar10-simple", **kw, labels=("blue whale", "red fox", "zebra"))
     fresh = target.state_dict()[weight].clone()
     with caplog.at_level(logging.INFO):
@@ -654,3 +656,28 @@ def test_init_skips_tensors_of_another_shape_even_with_as_many_values(tmp_path):
     for name in report["loaded"]:  # the rest is the source's
         assert torch.equal(ours[name], theirs[name])
     assert any(k.startswith(f"capsules.{len(target.capsules) - 1}.") for k in report["loaded"])  # same labels
+
+
+def test_fine_tuning_moves_a_joint_class_norm_with_its_labels(tmp_path):
+    """The own-images model's class capsules share one LayerNorm with an affine per class (``class_norm="joint"``):
+    a fine-tune keeps each kept label's slice wherever the label now sits, and a new label starts afresh."""
+    from capserve.model.checkpoint import save_model
+
+    tiny = {**tiny_overrides("cifar10-conv"), "image_size": SIZE, "class_norm": "joint"}
+    torch.manual_seed(1)
+    source = capserve.create_model("cifar10-conv", **tiny, labels=LABELS)
+    norm = f"capsules.{len(source.capsules) - 1}.norm"
+    with torch.no_grad():  # trained affines differ per class
+        for p in (source.capsules[-1].norm.weight, source.capsules[-1].norm.bias):
+            p.copy_(torch.randn_like(p))
+    save_model(source, tmp_path / "source")
+    target = capserve.create_model("cifar10-conv", **tiny, labels=("red fox", "blue whale", "zebra"))
+    fresh = {k: v.clone() for k, v in target.state_dict().items()}
+    report = init_from(target, tmp_path / "source")
+    assert {f"{norm}.weight", f"{norm}.bias"} <= set(report["partial"])
+    ours, theirs = target.state_dict(), source.state_dict()
+    for leaf in ("weight", "bias"):
+        name = f"{norm}.{leaf}"  # (J, D)
+        assert torch.equal(ours[name][0], theirs[name][LABELS.index("red fox")])
+        assert torch.equal(ours[name][1], theirs[name][LABELS.index("blue whale")])
+        assert torch.equal(ours[name][2], fresh[name][2])

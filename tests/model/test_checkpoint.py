@@ -35,6 +35,21 @@ def test_config_json_is_plain_data(tmp_path):
     assert data["config"]["labels"] == [str(d) for d in range(10)]
 
 
+def test_a_model_saved_before_class_norm_existed_loads_with_the_class_norm_it_was_trained_with(tmp_path):
+    """A config.json without ``class_norm`` (every model folder written before it existed, the own-images model's
+    included) is a model whose class capsules were LayerNorm'd one by one: it loads as such, answers as it did."""
+    model = tiny_model("cifar10-conv", class_norm="per_class")
+    model.save(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    del data["config"]["class_norm"]
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    loaded = capserve.load(tmp_path)
+    assert loaded.config.class_norm == "per_class"
+    x = tiny_input(model, 2).cpu()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model.cpu()(x))
+
+
 def test_missing_directory_or_file(tmp_path):
     with pytest.raises(capserve.CheckpointError, match="config.json"):
         capserve.load(tmp_path)

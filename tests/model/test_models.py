@@ -47,6 +47,29 @@ def test_bad_override_is_a_clear_error():
         capserve.create_model("cifar10-conv", init_classes=0)
     with pytest.raises(ValueError, match="init_classes is attention routing's"):
         capserve.create_model("cifar10-simple-dynamic", init_classes=10)
+    with pytest.raises(ValueError, match="class_norm must be"):
+        capserve.create_model("cifar10-conv", class_norm="batch")
+    with pytest.raises(ValueError, match="class_norm='joint' is a LayerNorm"):
+        capserve.create_model("cifar10-conv", class_norm="joint", layer_norm=False)
+    with pytest.raises(ValueError, match="class_norm='joint' is a LayerNorm"):
+        capserve.create_model("cifar10-simple-dynamic", class_norm="joint")
+
+
+@pytest.mark.parametrize("class_norm", ["per_class", "joint"])
+def test_joint_class_norm_keeps_a_class_the_votes_pass_by_small(class_norm):
+    """``class_norm="joint"`` (the own-images model's): the class capsules share one LayerNorm, so a class whose votes
+    are faint keeps a faint pose beside the one they reach; LayerNorm'd alone (the paper's) each class capsule's pose
+    comes out the same size, however little reached it."""
+    model = tiny_model("cifar10-conv", class_norm=class_norm)
+    with torch.no_grad():
+        model.capsules[-1].weight[:, 1:].mul_(0.1)  # every class but the first hears a tenth as much
+        classes = model.trace(tiny_input(model, 4)).poses[-1]  # (B, C, D)
+    size = classes.norm(dim=-1)  # (B, C)
+    faint = size[:, 1:].max(dim=1).values / size[:, 0]  # (B,)
+    if class_norm == "joint":
+        assert (faint < 0.3).all()
+    else:
+        assert (faint > 0.9).all()
 
 
 def test_init_classes_starts_the_class_transforms_at_that_many_classes_scale():

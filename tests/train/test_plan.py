@@ -36,6 +36,7 @@ REASONS = {
     "backbone_loss_grid",
     "augment",
     "class_weights",
+    "class_norm",
     "mean_std",
 }
 
@@ -109,6 +110,7 @@ def test_train_config_records_each_choice_resolved_and_why(marks, tmp_path):
     assert reasons["batch_size"] == "one batch of all 27 training images (fewer than the default 32)"
     assert reasons["mean_std"] == "from the 27 training images"
     assert "where the edges lie" in reasons["class_weights"]
+    assert recorded["overrides"]["class_norm"] == "joint" and reasons["class_norm"].startswith("single-label")
 
 
 def test_an_init_that_cannot_work_fails_before_the_run_folder_exists(marks, tmp_path):
@@ -285,6 +287,54 @@ def test_a_run_recorded_before_the_backbone_classifier_grid_resumes_with_a_globa
     assert after.shape == before.shape and not torch.equal(after, before)  # the same classifier, trained on
     assert json.loads((out / "last" / "trainer.json").read_text())["train_config"]["backbone_loss_grid"] == 1
     assert json.loads((out / "train_config.json").read_text())["reasons"]["backbone_loss_grid"] == RESUMED
+
+
+def test_the_class_capsules_share_one_layernorm_where_one_label_answers(marks, tmp_path):
+    """A new run on a user's images normalises its class capsules together on single-label data and each alone on
+    multi-label data (each label answers on its own); ``--set class_norm=...`` decides instead."""
+    cpu, dist = torch.device("cpu"), Dist()
+    rows = ["image,labels"] + [
+        f"{p.relative_to(marks.parent)},{p.parent.name} x{i % 2}" for i, p in enumerate(marks.rglob("*.png"))
+    ]
+    (marks.parent / "multi.csv").write_text("\n".join(rows) + "\n")
+    multi = plan_run(own_config(marks.parent / "multi.csv", tmp_path / "multi"), None, dist, cpu)
+    single = plan_run(own_config(marks, tmp_path / "single"), None, dist, cpu)
+    assert multi.config.task == "multi_label" and single.config.task == "single_label"
+    assert (multi.config.class_norm, single.config.class_norm) == ("per_class", "joint")
+    assert multi.cfg.overrides["class_norm"] == "per_class" and multi.reasons["class_norm"].startswith("multi-label")
+    given = {**tiny_overrides("cifar10-conv"), "class_norm": "per_class"}
+    plan = plan_run(own_config(marks, tmp_path / "given", overrides=given), None, dist, cpu)
+    assert plan.config.class_norm == "per_class" and plan.reasons["class_norm"] == "given"
+    assert single.build_model().capsules[-1].norm.weight.shape == (len(single.config.labels), 16)
+
+
+def test_a_resumed_run_rebuilds_its_class_norm_and_one_recorded_before_it_its_per_class_one(marks, tmp_path):
+    """``--resume`` rebuilds the class capsules' LayerNorm the run chose (recorded in its overrides); a run whose
+    records have no ``class_norm`` built each class capsule's alone (the paper's), and resumes so."""
+    out = tmp_path / "run"
+    train(own_config(marks, out, epochs=2, max_steps=1))
+    summary = train(read_resume_config(out), resume=out)
+    assert summary["best_epoch"] is not None and capserve.read_config(out / "last").class_norm == "joint"
+    before = tmp_path / "before"
+    train(
+        own_config(
+            marks,
+            before,
+            epochs=2,
+            max_steps=1,
+            overrides={**tiny_overrides("cifar10-conv"), "class_norm": "per_class"},
+        )
+    )
+    for path in (before / "last" / "trainer.json", before / "train_config.json"):
+        record = json.loads(path.read_text())
+        del record.get("train_config", record)["overrides"]["class_norm"]
+        path.write_text(json.dumps(record))
+    for folder in (before / "last", before / "best"):
+        record = json.loads((folder / "config.json").read_text())
+        del record["config"]["class_norm"]
+        (folder / "config.json").write_text(json.dumps(record))
+    summary = train(read_resume_config(before), resume=before)
+    assert summary["best_epoch"] is not None and capserve.read_config(before / "last").class_norm == "per_class"
 
 
 def test_a_run_on_many_classes_starts_its_class_transforms_at_ten_classes_scale(tmp_path):
