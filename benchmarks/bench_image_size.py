@@ -5,11 +5,11 @@ beside capserve's CNN baseline (``cifar10-conv-cnn``), at 32, 64 and 128 px.
 
 Per size, three models: the capsules with the capsule grid growing with the image (``stem_pool=1``), the capsules as
 ``capserve train --image-size N`` builds them (``stem_pool=N // 32``: the grid stays where it is at 32 px), and the CNN
-baseline with the same stem. Each runs ``--steps`` SGD steps at batch ``--batch-size`` on random images (after
-one warm-up step), and one inference pass of ``--eval-batch`` images at the model's own routing iterations; the
-variants are interleaved ``--repeats`` times in one process and the medians are scaled to an epoch of ``--images``
-training images and an evaluation of as many test images. Timings on a shared machine are noisy: quote the medians and
-ratios of one run, with the CPU line.
+baseline with the same stem; at 32 px also the capsules on five backbone layers (``--set backbone_layers=5``). Each
+runs ``--steps`` SGD steps at batch ``--batch-size`` on random images (after one warm-up step), and one inference pass
+of ``--eval-batch`` images at the model's own routing iterations; the variants are interleaved ``--repeats`` times in
+one process and the medians are scaled to an epoch of ``--images`` training images and an evaluation of as many test
+images. Timings on a shared machine are noisy: quote the medians and ratios of one run, with the CPU line.
 """
 
 from __future__ import annotations
@@ -52,14 +52,19 @@ def main() -> None:
     variants = {}
     for size in (int(s) for s in a.sizes.split(",")):
         pool = max(size // 32, 1)
-        for name, model, stem_pool in (
-            ("capsules, grid grows", "cifar10-conv", 1),
-            (f"capsules, stem_pool={pool}", "cifar10-conv", pool),
-            (f"CNN baseline, stem_pool={pool}", "cifar10-conv-cnn", pool),
+        for name, model, stem_pool, overrides in (
+            ("capsules, grid grows", "cifar10-conv", 1, {}),
+            (f"capsules, stem_pool={pool}", "cifar10-conv", pool, {}),
+            ("capsules, 5 backbone layers", "cifar10-conv", 1, {"backbone_layers": 5}),
+            (f"CNN baseline, stem_pool={pool}", "cifar10-conv-cnn", pool, {}),
         ):
             if size == 32 and stem_pool == 1 and name.startswith("capsules, stem"):
                 continue  # the same model as the first at 32 px
-            config = dataclasses.replace(get_config(model), labels=labels, image_size=size, stem_pool=stem_pool)
+            if size != 32 and overrides:
+                continue  # the deeper backbone's cost, at 32 px alone
+            config = dataclasses.replace(
+                get_config(model, **overrides), labels=labels, image_size=size, stem_pool=stem_pool
+            )
             torch.manual_seed(0)
             variants[(size, name)] = build_model(config)
     train: dict[tuple[int, str], list[float]] = {v: [] for v in variants}

@@ -167,7 +167,8 @@ class ModelConfig:
     mean: tuple[float, ...] = CIFAR_MEAN
     std: tuple[float, ...] = CIFAR_STD
     # backbone: "resnet" = conv3×3-64 + 3 BasicBlocks@64 + 4@channels (first strided); "simple" = one conv3×3;
-    # "conv" = three conv3×3 + BatchNorm + ReLU (64 channels, then channels at backbone_stride, then channels);
+    # "conv" = conv3×3 + BatchNorm + ReLU layers (64 channels, then channels at backbone_stride, then channels:
+    # backbone_layers of them in all);
     # "resnet18" = the standard CIFAR ResNet-18 body (conv3×3-c + [2, 2, 2, 2] BasicBlocks at c, 2c, 4c, 8c, strides
     # 1, 2, 2, 2, with c = backbone_channels, 64 in ResNet-18; backbone_stride unused), CNN heads only: the head
     # follows it directly (no primary or capsule layers to replace)
@@ -177,6 +178,9 @@ class ModelConfig:
     # "conv" only: a max-pool by this factor after the first layer, so that a larger image reaches the capsule layers
     # at the grid their routing was measured at (own images at --image-size N get N // 32: capserve.train.plan)
     stem_pool: int = 1
+    # "conv" only: its conv layers, the first two included; the later ones keep the grid (docs/own-data.md, "Five
+    # conv layers in front of the capsules")
+    backbone_layers: int = 3
     # CNN heads use the backbone, primary and capsule layer sizes (types × pose_dim neurons) and ignore the rest:
     # iterations, routing, routing_algorithm, pose, layer_norm, activations
     head: Head = "capsules"
@@ -230,6 +234,10 @@ class ModelConfig:
             )
         if self.stem_pool < 1 or (self.stem_pool > 1 and self.backbone != "conv"):
             raise ValueError(f"stem_pool is the conv backbone's, a factor >= 1; got {self.stem_pool} ({self.backbone})")
+        if self.backbone_layers < 2 or (self.backbone_layers != 3 and self.backbone != "conv"):
+            raise ValueError(
+                f"backbone_layers is the conv backbone's, 2 or more; got {self.backbone_layers} ({self.backbone})"
+            )
         if self.pose not in ("matrix", "vector"):
             raise ValueError(f"pose must be 'matrix' or 'vector', got {self.pose!r}")
         if self.routing not in ("concurrent", "sequential"):

@@ -49,17 +49,18 @@ def simple_backbone(in_channels: int, channels: int, stride: int) -> nn.Sequenti
     return nn.Sequential(nn.Conv2d(in_channels, channels, 3, stride=stride, padding=1), nn.ReLU(inplace=True))
 
 
-def conv_backbone(in_channels: int, channels: int, stride: int, pool: int = 1) -> nn.Sequential:
-    """Three conv3×3 + BatchNorm + ReLU layers: 64 channels at full size, then ``channels`` at stride ``stride``, then
-    ``channels`` again: a few million multiply-adds more than ``simple``'s single conv, for features that a plain
-    CNN's first layers would give. ``pool`` > 1 max-pools the first layer's output by that factor: the first layer
-    still sees every pixel of a large image, the rest cost what they cost at the smaller size."""
+def conv_backbone(in_channels: int, channels: int, stride: int, pool: int = 1, layers: int = 3) -> nn.Sequential:
+    """``layers`` conv3×3 + BatchNorm + ReLU layers: 64 channels at full size, then ``channels`` at stride ``stride``,
+    then ``channels`` again for the rest, on that grid: the features a plain CNN's first layers would give. ``pool``
+    > 1 max-pools the first layer's output by that factor: the first layer still sees every pixel of a large image,
+    the rest cost what they cost at the smaller size."""
 
     def layer(i: int, o: int, s: int) -> list[nn.Module]:
         return [nn.Conv2d(i, o, 3, stride=s, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True)]
 
     stem = [*layer(in_channels, 64, 1), *([nn.MaxPool2d(pool)] if pool > 1 else [])]
-    return nn.Sequential(*stem, *layer(64, channels, stride), *layer(channels, channels, 1))
+    rest = [module for _ in range(layers - 2) for module in layer(channels, channels, 1)]
+    return nn.Sequential(*stem, *layer(64, channels, stride), *rest)
 
 
 def resnet18_backbone(in_channels: int, channels: int = 64) -> nn.Sequential:
@@ -83,6 +84,8 @@ def resnet18_backbone(in_channels: int, channels: int = 64) -> nn.Sequential:
 BACKBONES: dict[str, Callable[[ModelConfig], nn.Sequential]] = {
     "resnet": lambda c: resnet_backbone(c.in_channels, c.backbone_channels, c.backbone_stride),
     "simple": lambda c: simple_backbone(c.in_channels, c.backbone_channels, c.backbone_stride),
-    "conv": lambda c: conv_backbone(c.in_channels, c.backbone_channels, c.backbone_stride, c.stem_pool),
+    "conv": lambda c: conv_backbone(
+        c.in_channels, c.backbone_channels, c.backbone_stride, c.stem_pool, c.backbone_layers
+    ),
     "resnet18": lambda c: resnet18_backbone(c.in_channels, c.backbone_channels),
 }

@@ -35,16 +35,18 @@ def test_config_json_is_plain_data(tmp_path):
     assert data["config"]["labels"] == [str(d) for d in range(10)]
 
 
-def test_a_model_saved_before_class_norm_existed_loads_with_the_class_norm_it_was_trained_with(tmp_path):
-    """A config.json without ``class_norm`` (every model folder written before it existed, the own-images model's
-    included) is a model whose class capsules were LayerNorm'd one by one: it loads as such, answers as it did."""
-    model = tiny_model("cifar10-conv", class_norm="per_class")
+@pytest.mark.parametrize("field, value", [("class_norm", "per_class"), ("backbone_layers", 3)])
+def test_a_model_saved_before_a_field_existed_loads_as_it_was_trained(tmp_path, field, value):
+    """A config.json without ``class_norm`` or ``backbone_layers`` (every model folder written before they existed,
+    the own-images model's included) is a model whose class capsules were LayerNorm'd one by one, on a backbone of
+    three conv layers: it loads as such, answers as it did."""
+    model = tiny_model("cifar10-conv", **{field: value})
     model.save(tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
-    del data["config"]["class_norm"]
+    del data["config"][field]
     (tmp_path / "config.json").write_text(json.dumps(data))
     loaded = capserve.load(tmp_path)
-    assert loaded.config.class_norm == "per_class"
+    assert getattr(loaded.config, field) == value
     x = tiny_input(model, 2).cpu()
     with torch.no_grad():
         assert torch.equal(loaded(x), model.cpu()(x))

@@ -47,6 +47,10 @@ def test_bad_override_is_a_clear_error():
         capserve.create_model("cifar10-conv", init_classes=0)
     with pytest.raises(ValueError, match="init_classes is attention routing's"):
         capserve.create_model("cifar10-simple-dynamic", init_classes=10)
+    with pytest.raises(ValueError, match="backbone_layers is the conv backbone's"):
+        capserve.create_model("cifar10-simple", backbone_layers=5)
+    with pytest.raises(ValueError, match="backbone_layers is the conv backbone's, 2 or more"):
+        capserve.create_model("cifar10-conv", backbone_layers=1)
     with pytest.raises(ValueError, match="class_norm must be"):
         capserve.create_model("cifar10-conv", class_norm="batch")
     with pytest.raises(ValueError, match="class_norm='joint' is a LayerNorm"):
@@ -70,6 +74,18 @@ def test_joint_class_norm_keeps_a_class_the_votes_pass_by_small(class_norm):
         assert (faint < 0.3).all()
     else:
         assert (faint > 0.9).all()
+
+
+def test_backbone_layers_deepens_the_conv_backbone_and_keeps_its_grid():
+    """``backbone_layers=N`` (the own-images model's 5): N conv + BatchNorm + ReLU layers in front of the capsules, the
+    later ones at the strided layer's grid and width, so the capsule layers see the same grid as with 3."""
+    shallow, deep = (tiny_model("cifar10-conv", backbone_layers=n) for n in (3, 5))
+    x = tiny_input(deep, 2)
+    convs = [m for m in deep.backbone if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 5 and len([m for m in shallow.backbone if isinstance(m, torch.nn.Conv2d)]) == 3
+    assert all(c.stride == (1, 1) and c.in_channels == c.out_channels for c in convs[2:])
+    assert deep.backbone(x).shape == shallow.backbone(x).shape
+    assert deep(x).shape == (2, len(deep.config.labels))
 
 
 def test_init_classes_starts_the_class_transforms_at_that_many_classes_scale():
