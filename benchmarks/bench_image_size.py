@@ -1,11 +1,13 @@
-"""What a larger input costs: seconds per training epoch and per evaluation of the own-data model (``cifar10-conv``)
-beside capserve's CNN baseline (``cifar10-conv-cnn``), at 32, 64 and 128 px.
+"""What a larger input costs: seconds per training epoch and per evaluation of the own-data model (``cifar10-conv`` with
+the backbone ``capserve train`` gives a user's images) beside capserve's CNN baseline (``cifar10-conv-cnn``), at 32, 64
+and 128 px.
 
     python benchmarks/bench_image_size.py --sizes 32,64,128 --images 1000
 
 Per size, three models: the capsules with the capsule grid growing with the image (``stem_pool=1``), the capsules as
 ``capserve train --image-size N`` builds them (``stem_pool=N // 32``: the grid stays where it is at 32 px), and the CNN
-baseline with the same stem; at 32 px also the capsules on five backbone layers (``--set backbone_layers=5``). Each
+baseline with the same stem; at 32 px also the capsules on the config's three conv layers and on five (``--set
+backbone_layers=5``). Each
 runs ``--steps`` SGD steps at batch ``--batch-size`` on random images (after one warm-up step), and one inference pass
 of ``--eval-batch`` images at the model's own routing iterations; the variants are interleaved ``--repeats`` times in
 one process and the medians are scaled to an epoch of ``--images`` training images and an evaluation of as many test
@@ -25,6 +27,7 @@ from bench_finetune_speed import step_rate
 from capserve.configs import get_config
 from capserve.hardware import cpu_info
 from capserve.model.factory import build_model
+from capserve.train.plan import OWN_BACKBONE
 
 
 @torch.no_grad()
@@ -53,15 +56,16 @@ def main() -> None:
     for size in (int(s) for s in a.sizes.split(",")):
         pool = max(size // 32, 1)
         for name, model, stem_pool, overrides in (
-            ("capsules, grid grows", "cifar10-conv", 1, {}),
-            (f"capsules, stem_pool={pool}", "cifar10-conv", pool, {}),
-            ("capsules, 5 backbone layers", "cifar10-conv", 1, {"backbone_layers": 5}),
+            ("capsules, grid grows" if size > 32 else "capsules", "cifar10-conv", 1, OWN_BACKBONE),
+            (f"capsules, stem_pool={pool}", "cifar10-conv", pool, OWN_BACKBONE),
+            ("capsules, 3 conv layers", "cifar10-conv", 1, {}),
+            ("capsules, 5 conv layers", "cifar10-conv", 1, {"backbone_layers": 5}),
             (f"CNN baseline, stem_pool={pool}", "cifar10-conv-cnn", pool, {}),
         ):
             if size == 32 and stem_pool == 1 and name.startswith("capsules, stem"):
                 continue  # the same model as the first at 32 px
-            if size != 32 and overrides:
-                continue  # the deeper backbone's cost, at 32 px alone
+            if size != 32 and "conv layers" in name:
+                continue  # the other backbones' cost, at 32 px alone
             config = dataclasses.replace(
                 get_config(model, **overrides), labels=labels, image_size=size, stem_pool=stem_pool
             )

@@ -181,6 +181,9 @@ class ModelConfig:
     # "conv" only: its conv layers, the first two included; the later ones keep the grid (docs/own-data.md, "Five
     # conv layers in front of the capsules")
     backbone_layers: int = 3
+    # "conv" only: ResNet basic blocks (two conv3×3 + BatchNorm, the input added back) after those layers, at their
+    # width and grid
+    backbone_blocks: int = 0
     # CNN heads use the backbone, primary and capsule layer sizes (types × pose_dim neurons) and ignore the rest:
     # iterations, routing, routing_algorithm, pose, layer_norm, activations
     head: Head = "capsules"
@@ -237,6 +240,10 @@ class ModelConfig:
         if self.backbone_layers < 2 or (self.backbone_layers != 3 and self.backbone != "conv"):
             raise ValueError(
                 f"backbone_layers is the conv backbone's, 2 or more; got {self.backbone_layers} ({self.backbone})"
+            )
+        if self.backbone_blocks < 0 or (self.backbone_blocks and self.backbone != "conv"):
+            raise ValueError(
+                f"backbone_blocks is the conv backbone's, 0 or more; got {self.backbone_blocks} ({self.backbone})"
             )
         if self.pose not in ("matrix", "vector"):
             raise ValueError(f"pose must be 'matrix' or 'vector', got {self.pose!r}")

@@ -49,7 +49,9 @@ def simple_backbone(in_channels: int, channels: int, stride: int) -> nn.Sequenti
     return nn.Sequential(nn.Conv2d(in_channels, channels, 3, stride=stride, padding=1), nn.ReLU(inplace=True))
 
 
-def conv_backbone(in_channels: int, channels: int, stride: int, pool: int = 1, layers: int = 3) -> nn.Sequential:
+def conv_backbone(
+    in_channels: int, channels: int, stride: int, pool: int = 1, layers: int = 3, blocks: int = 0
+) -> nn.Sequential:
     """``layers`` conv3×3 + BatchNorm + ReLU layers: 64 channels at full size, then ``channels`` at stride ``stride``,
     then ``channels`` again for the rest, on that grid: the features a plain CNN's first layers would give. ``pool``
     > 1 max-pools the first layer's output by that factor: the first layer still sees every pixel of a large image,
@@ -60,7 +62,8 @@ def conv_backbone(in_channels: int, channels: int, stride: int, pool: int = 1, l
 
     stem = [*layer(in_channels, 64, 1), *([nn.MaxPool2d(pool)] if pool > 1 else [])]
     rest = [module for _ in range(layers - 2) for module in layer(channels, channels, 1)]
-    return nn.Sequential(*stem, *layer(64, channels, stride), *rest)
+    residual = [BasicBlock(channels, channels) for _ in range(blocks)]
+    return nn.Sequential(*stem, *layer(64, channels, stride), *rest, *residual)
 
 
 def resnet18_backbone(in_channels: int, channels: int = 64) -> nn.Sequential:
@@ -85,7 +88,7 @@ BACKBONES: dict[str, Callable[[ModelConfig], nn.Sequential]] = {
     "resnet": lambda c: resnet_backbone(c.in_channels, c.backbone_channels, c.backbone_stride),
     "simple": lambda c: simple_backbone(c.in_channels, c.backbone_channels, c.backbone_stride),
     "conv": lambda c: conv_backbone(
-        c.in_channels, c.backbone_channels, c.backbone_stride, c.stem_pool, c.backbone_layers
+        c.in_channels, c.backbone_channels, c.backbone_stride, c.stem_pool, c.backbone_layers, c.backbone_blocks
     ),
     "resnet18": lambda c: resnet18_backbone(c.in_channels, c.backbone_channels),
 }

@@ -35,6 +35,7 @@ __all__ = [
     "RESUMED",
     "TRAIN_CONFIG",
     "Plan",
+    "backbone_depth",
     "chooses_class_weights",
     "class_norm",
     "model_config",
@@ -155,6 +156,26 @@ def class_norm(cfg: TrainConfig, manifest: Manifest | None, resume: str | Path |
     else:
         norm, why = "joint", "single-label: the class capsules compete for one answer, under one LayerNorm"
     return dataclasses.replace(cfg, overrides={**cfg.overrides, "class_norm": norm}), why
+
+
+# a user's capsule model on the conv backbone: its first two conv layers, then two residual blocks at the second's grid
+OWN_BACKBONE = {"backbone_layers": 2, "backbone_blocks": 2}
+
+
+def backbone_depth(cfg: TrainConfig, manifest: Manifest | None, resume: str | Path | None) -> tuple[TrainConfig, str]:
+    """``cfg`` with the conv backbone's depth chosen (and why). A new run from scratch on a user's images, of a
+    capsule model on the conv backbone, puts two residual blocks after its first two conv layers in place of the third
+    (``OWN_BACKBONE``): only the class layer routes, so the capsules add little that is not linear to what the backbone
+    made of the image (docs/own-data.md, "Residual blocks in front of the capsules"). Recorded in ``overrides`` so
+    that ``--resume`` rebuilds the same model. Otherwise the config's: as given with ``--set backbone_layers=N`` or
+    ``backbone_blocks=N``, ``--init``'s model's, a resumed run's record, a CNN's, and on the built-in data sets."""
+    if OWN_BACKBONE.keys() & cfg.overrides.keys():
+        return cfg, RESUMED if resume is not None else "given"
+    config = get_config(cfg.model, **cfg.overrides)
+    if manifest is None or resume is not None or cfg.init or config.backbone != "conv" or not config.has_routing:
+        return cfg, "the model config's"
+    why = "your own images: residual blocks in place of a third conv layer"
+    return dataclasses.replace(cfg, overrides={**cfg.overrides, **OWN_BACKBONE}), why
 
 
 def chooses_class_weights(cfg: TrainConfig, config: ModelConfig, resume: str | Path | None) -> bool:
@@ -350,6 +371,10 @@ def log_choices(plan: Plan, d: Dist) -> None:
         log.info("stem: %s", plan.reasons["stem_pool"])
     if "init_classes" in plan.reasons and d.main:
         log.info("class capsule init: %s", plan.reasons["init_classes"])
+    if config.backbone == "conv" and d.main:
+        n = config.backbone_blocks
+        blocks = f" + {n} residual block{'s' * (n > 1)}" if n else ""
+        log.info("backbone: %d conv layers%s (%s)", config.backbone_layers, blocks, plan.reasons["backbone_depth"])
     if config.has_routing and d.main:
         log.info("class capsule norm: %s (%s)", config.class_norm, plan.reasons["class_norm"])
     if plan.manifest is not None and not cfg.init:
@@ -365,6 +390,7 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
     if cfg.batch_size % d.world:
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes {d.world}")
     cfg, norm_reason = class_norm(cfg, manifest, resume)
+    cfg, depth_reason = backbone_depth(cfg, manifest, resume)
     config = model_config(cfg, manifest)
     dataset = config.extra["data"]["dataset"]
     if cfg.init and resume is None:
@@ -392,6 +418,7 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
     reasons.setdefault("augment", "given")
     reasons.setdefault("class_weights", "given" if "class_weights" in cfg.overrides else "the model config's")
     reasons["class_norm"] = norm_reason
+    reasons["backbone_depth"] = depth_reason
     cfg, reasons["backbone_loss_grid"] = backbone_loss_grid(cfg, config, resume)
     reasons.setdefault("mean_std", "kept with --init (the model config's)" if cfg.init else "the model config's")
     if config.stem_pool > 1 and "stem_pool" not in cfg.overrides:

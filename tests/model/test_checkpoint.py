@@ -35,11 +35,11 @@ def test_config_json_is_plain_data(tmp_path):
     assert data["config"]["labels"] == [str(d) for d in range(10)]
 
 
-@pytest.mark.parametrize("field, value", [("class_norm", "per_class"), ("backbone_layers", 3)])
+@pytest.mark.parametrize("field, value", [("class_norm", "per_class"), ("backbone_layers", 3), ("backbone_blocks", 0)])
 def test_a_model_saved_before_a_field_existed_loads_as_it_was_trained(tmp_path, field, value):
-    """A config.json without ``class_norm`` or ``backbone_layers`` (every model folder written before they existed,
-    the own-images model's included) is a model whose class capsules were LayerNorm'd one by one, on a backbone of
-    three conv layers: it loads as such, answers as it did."""
+    """A config.json without ``class_norm``, ``backbone_layers`` or ``backbone_blocks`` (every model folder written
+    before they existed, the own-images model's included) is a model whose class capsules were LayerNorm'd one by one,
+    on a backbone of three conv layers and no residual blocks: it loads as such, answers as it did."""
     model = tiny_model("cifar10-conv", **{field: value})
     model.save(tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())

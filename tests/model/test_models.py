@@ -7,6 +7,7 @@ import torch
 from support.models import DEVICE, tiny_input, tiny_model
 
 import capserve
+from capserve.model.backbones import BasicBlock
 
 # The authors' parameter counts (their code, these configurations).
 PAPER_PARAMETERS = {
@@ -51,6 +52,10 @@ def test_bad_override_is_a_clear_error():
         capserve.create_model("cifar10-simple", backbone_layers=5)
     with pytest.raises(ValueError, match="backbone_layers is the conv backbone's, 2 or more"):
         capserve.create_model("cifar10-conv", backbone_layers=1)
+    with pytest.raises(ValueError, match="backbone_blocks is the conv backbone's"):
+        capserve.create_model("cifar10-resnet", backbone_blocks=1)
+    with pytest.raises(ValueError, match="backbone_blocks is the conv backbone's, 0 or more"):
+        capserve.create_model("cifar10-conv", backbone_blocks=-1)
     with pytest.raises(ValueError, match="class_norm must be"):
         capserve.create_model("cifar10-conv", class_norm="batch")
     with pytest.raises(ValueError, match="class_norm='joint' is a LayerNorm"):
@@ -86,6 +91,22 @@ def test_backbone_layers_deepens_the_conv_backbone_and_keeps_its_grid():
     assert all(c.stride == (1, 1) and c.in_channels == c.out_channels for c in convs[2:])
     assert deep.backbone(x).shape == shallow.backbone(x).shape
     assert deep(x).shape == (2, len(deep.config.labels))
+
+
+def test_backbone_blocks_add_residual_blocks_at_the_conv_backbones_grid():
+    """``backbone_blocks=N`` (the own-images model's 2): N ResNet basic blocks after the conv layers, at their width
+    and grid; each adds its input back, so a block whose convs answer nothing passes its input on (after the ReLU it
+    ends with)."""
+    plain, residual = (tiny_model("cifar10-conv", backbone_layers=2, backbone_blocks=n) for n in (0, 2))
+    x = tiny_input(residual, 2)
+    blocks = [m for m in residual.backbone if isinstance(m, BasicBlock)]
+    assert len(blocks) == 2 and not any(isinstance(m, BasicBlock) for m in plain.backbone)
+    assert residual.backbone(x).shape == plain.backbone(x).shape
+    assert residual(x).shape == (2, len(residual.config.labels))
+    with torch.no_grad():
+        blocks[-1].bn2.weight.zero_()
+        blocks[-1].bn2.bias.zero_()
+        assert torch.equal(residual.backbone(x), torch.relu(residual.backbone[:-1](x)))
 
 
 def test_init_classes_starts_the_class_transforms_at_that_many_classes_scale():

@@ -236,7 +236,12 @@ def test_objects_anywhere_get_shared_class_transforms_and_learn_with_the_default
     with caplog.at_level(logging.INFO, logger="capserve"):
         assert main(["train", "--data", str(data), "--out", str(out), "--epochs", "8"]) == 0
     recorded = json.loads((out / "train_config.json").read_text())
-    assert recorded["overrides"] == {"class_norm": "joint", "class_weights": "shared"}
+    assert recorded["overrides"] == {
+        "class_norm": "joint",
+        "backbone_layers": 2,
+        "backbone_blocks": 2,
+        "class_weights": "shared",
+    }
     assert capserve.load(out / "best").config.class_weights == "shared"
     assert "class capsule transforms: shared (the labels do not follow where things lie" in caplog.text
     summary = json.loads((out / "summary.json").read_text())
@@ -251,6 +256,8 @@ def test_a_given_class_weights_is_kept_and_the_default_model_gates_its_children(
         main([*args, "--set", 'class_weights="per_position"'])
     assert json.loads((out / "train_config.json").read_text())["overrides"] == {
         "class_norm": "joint",
+        "backbone_layers": 2,
+        "backbone_blocks": 2,
         "class_weights": "per_position",
     }
     assert "class capsule transforms" not in caplog.text

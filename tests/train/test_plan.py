@@ -19,6 +19,7 @@ import capserve
 from capserve.cli import main
 from capserve.data.cache import CACHE_FILE
 from capserve.data.preprocess import data_mean_std
+from capserve.model.backbones import BasicBlock
 from capserve.model.capsnet import CapsNet
 from capserve.train.backbone_loss import BackboneClassifier
 from capserve.train.config import TrainConfig, read_resume_config, resolve_recipe
@@ -37,6 +38,7 @@ REASONS = {
     "augment",
     "class_weights",
     "class_norm",
+    "backbone_depth",
     "mean_std",
 }
 
@@ -48,8 +50,8 @@ def marks(tmp_path_factory) -> Path:
 
 
 def own_config(data: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(overrides=tiny_overrides("cifar10-conv"), epochs=1, device="cpu", test=False)
-    return TrainConfig(model="cifar10-conv", data=str(data), out=str(out), **{**base, **kw})
+    base = dict(model="cifar10-conv", overrides=tiny_overrides("cifar10-conv"), epochs=1, device="cpu", test=False)
+    return TrainConfig(data=str(data), out=str(out), **{**base, **kw})
 
 
 def built_configs(monkeypatch) -> list:
@@ -308,33 +310,53 @@ def test_the_class_capsules_share_one_layernorm_where_one_label_answers(marks, t
     assert single.build_model().capsules[-1].norm.weight.shape == (len(single.config.labels), 16)
 
 
-def test_a_resumed_run_rebuilds_its_class_norm_and_one_recorded_before_it_its_per_class_one(marks, tmp_path):
-    """``--resume`` rebuilds the class capsules' LayerNorm the run chose (recorded in its overrides); a run whose
-    records have no ``class_norm`` built each class capsule's alone (the paper's), and resumes so."""
+def test_a_new_run_on_own_images_puts_residual_blocks_in_front_of_the_capsules(marks, tmp_path):
+    """A new capsule run on a user's images builds its conv backbone as two conv layers and two residual blocks, and
+    records that in its overrides; ``--set backbone_layers=N`` (or ``backbone_blocks``) decides instead, and a CNN
+    keeps the config's backbone."""
+    cpu, dist = torch.device("cpu"), Dist()
+    plan = plan_run(own_config(marks, tmp_path / "own"), None, dist, cpu)
+    assert (plan.config.backbone_layers, plan.config.backbone_blocks) == (2, 2)
+    assert plan.cfg.overrides["backbone_blocks"] == 2 and plan.reasons["backbone_depth"].startswith("your own images")
+    assert sum(isinstance(m, BasicBlock) for m in plan.build_model().backbone) == 2
+    given = {**tiny_overrides("cifar10-conv"), "backbone_layers": 3}
+    plan = plan_run(own_config(marks, tmp_path / "given", overrides=given), None, dist, cpu)
+    assert (plan.config.backbone_layers, plan.config.backbone_blocks) == (3, 0) and plan.reasons[
+        "backbone_depth"
+    ] == "given"
+    cnn = own_config(marks, tmp_path / "cnn", model="cifar10-conv-cnn", overrides=tiny_overrides("cifar10-conv-cnn"))
+    plan = plan_run(cnn, None, dist, cpu)
+    assert (plan.config.backbone_layers, plan.config.backbone_blocks) == (3, 0)
+    assert plan.reasons["backbone_depth"] == "the model config's"
+
+
+def test_a_resumed_run_rebuilds_its_model_and_one_recorded_before_the_own_images_choices_its_first_one(marks, tmp_path):
+    """``--resume`` rebuilds the class capsules' LayerNorm and the backbone the run chose (recorded in its overrides);
+    a run whose records have neither built each class capsule's LayerNorm alone (the paper's) on three conv layers,
+    and resumes so."""
     out = tmp_path / "run"
     train(own_config(marks, out, epochs=2, max_steps=1))
     summary = train(read_resume_config(out), resume=out)
-    assert summary["best_epoch"] is not None and capserve.read_config(out / "last").class_norm == "joint"
+    resumed = capserve.read_config(out / "last")
+    assert summary["best_epoch"] is not None and resumed.class_norm == "joint" and resumed.backbone_blocks == 2
     before = tmp_path / "before"
-    train(
-        own_config(
-            marks,
-            before,
-            epochs=2,
-            max_steps=1,
-            overrides={**tiny_overrides("cifar10-conv"), "class_norm": "per_class"},
-        )
-    )
+    first = {"class_norm": "per_class", "backbone_layers": 3, "backbone_blocks": 0}
+    train(own_config(marks, before, epochs=2, max_steps=1, overrides={**tiny_overrides("cifar10-conv"), **first}))
     for path in (before / "last" / "trainer.json", before / "train_config.json"):
         record = json.loads(path.read_text())
-        del record.get("train_config", record)["overrides"]["class_norm"]
+        overrides = record.get("train_config", record)["overrides"]
+        for field in first:
+            del overrides[field]
         path.write_text(json.dumps(record))
     for folder in (before / "last", before / "best"):
         record = json.loads((folder / "config.json").read_text())
-        del record["config"]["class_norm"]
+        for field in first:
+            del record["config"][field]
         (folder / "config.json").write_text(json.dumps(record))
     summary = train(read_resume_config(before), resume=before)
-    assert summary["best_epoch"] is not None and capserve.read_config(before / "last").class_norm == "per_class"
+    resumed = capserve.read_config(before / "last")
+    assert summary["best_epoch"] is not None
+    assert (resumed.class_norm, resumed.backbone_layers, resumed.backbone_blocks) == ("per_class", 3, 0)
 
 
 def test_a_run_on_many_classes_starts_its_class_transforms_at_ten_classes_scale(tmp_path):
