@@ -181,8 +181,7 @@ class ModelConfig:
     # "conv" only: its conv layers, the first two included; the later ones keep the grid (docs/own-data.md, "Five
     # conv layers in front of the capsules")
     backbone_layers: int = 3
-    # "conv" only: ResNet basic blocks (two conv3×3 + BatchNorm, the input added back) after those layers, at their
-    # width and grid
+    # "conv" only: ResNet basic blocks after those layers, at their width and grid (own images: capserve.train.plan)
     backbone_blocks: int = 0
     # CNN heads use the backbone, primary and capsule layer sizes (types × pose_dim neurons) and ignore the rest:
     # iterations, routing, routing_algorithm, pose, layer_norm, activations
@@ -235,16 +234,10 @@ class ModelConfig:
                 "the resnet18 backbone is a complete CNN: use it with head='avgpool' or 'fc' and no "
                 "capsule layers (capsules=())"
             )
-        if self.stem_pool < 1 or (self.stem_pool > 1 and self.backbone != "conv"):
-            raise ValueError(f"stem_pool is the conv backbone's, a factor >= 1; got {self.stem_pool} ({self.backbone})")
-        if self.backbone_layers < 2 or (self.backbone_layers != 3 and self.backbone != "conv"):
-            raise ValueError(
-                f"backbone_layers is the conv backbone's, 2 or more; got {self.backbone_layers} ({self.backbone})"
-            )
-        if self.backbone_blocks < 0 or (self.backbone_blocks and self.backbone != "conv"):
-            raise ValueError(
-                f"backbone_blocks is the conv backbone's, 0 or more; got {self.backbone_blocks} ({self.backbone})"
-            )
+        for name, least, other_backbones in (("stem_pool", 1, 1), ("backbone_layers", 2, 3), ("backbone_blocks", 0, 0)):
+            value = getattr(self, name)
+            if value < least or (value != other_backbones and self.backbone != "conv"):
+                raise ValueError(f"{name} is the conv backbone's, {least} or more; got {value} ({self.backbone})")
         if self.pose not in ("matrix", "vector"):
             raise ValueError(f"pose must be 'matrix' or 'vector', got {self.pose!r}")
         if self.routing not in ("concurrent", "sequential"):
