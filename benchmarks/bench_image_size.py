@@ -7,11 +7,11 @@ and 128 px.
 Per size, three models: the capsules with the capsule grid growing with the image (``stem_pool=1``), the capsules as
 ``capserve train --image-size N`` builds them (``stem_pool=N // 32``: the grid stays where it is at 32 px), and the CNN
 baseline with the same stem; at 32 px also the capsules on the config's three conv layers and on five (``--set
-backbone_layers=5``). Each
-runs ``--steps`` SGD steps at batch ``--batch-size`` on random images (after one warm-up step), and one inference pass
-of ``--eval-batch`` images at the model's own routing iterations; the variants are interleaved ``--repeats`` times in
-one process and the medians are scaled to an epoch of ``--images`` training images and an evaluation of as many test
-images. Timings on a shared machine are noisy: quote the medians and ratios of one run, with the CPU line.
+backbone_layers=5``). Each runs ``--steps`` SGD steps at batch ``--batch-size`` on random images (after one warm-up
+step), and one inference pass of ``--eval-batch`` images at the model's own routing iterations; the variants are
+interleaved ``--repeats`` times in one process and the medians are scaled to an epoch of ``--images`` training images
+and an evaluation of as many test images. Timings on a shared machine are noisy: quote the medians and ratios of one
+run, with the CPU line.
 """
 
 from __future__ import annotations

@@ -35,33 +35,27 @@ def test_unknown_model_lists_the_valid_names():
         capserve.create_model("cifar11-resnet")
 
 
-def test_bad_override_is_a_clear_error():
-    with pytest.raises(ValueError, match="square"):
-        capserve.create_model("cifar10-resnet", pose_dim=15)
-    with pytest.raises(ValueError, match="feature map"):
-        capserve.create_model("cifar10-resnet", image_size=8)
-    with pytest.raises(ValueError, match="stem_pool is the conv backbone's"):
-        capserve.create_model("cifar10-resnet", stem_pool=2)
-    with pytest.raises(ValueError, match="stem_pool"):
-        capserve.create_model("cifar10-conv", stem_pool=0)
-    with pytest.raises(ValueError, match="init_classes is attention routing's"):
-        capserve.create_model("cifar10-conv", init_classes=0)
-    with pytest.raises(ValueError, match="init_classes is attention routing's"):
-        capserve.create_model("cifar10-simple-dynamic", init_classes=10)
-    with pytest.raises(ValueError, match="backbone_layers is the conv backbone's"):
-        capserve.create_model("cifar10-simple", backbone_layers=5)
-    with pytest.raises(ValueError, match="backbone_layers is the conv backbone's, 2 or more"):
-        capserve.create_model("cifar10-conv", backbone_layers=1)
-    with pytest.raises(ValueError, match="backbone_blocks is the conv backbone's"):
-        capserve.create_model("cifar10-resnet", backbone_blocks=1)
-    with pytest.raises(ValueError, match="backbone_blocks is the conv backbone's, 0 or more"):
-        capserve.create_model("cifar10-conv", backbone_blocks=-1)
-    with pytest.raises(ValueError, match="class_norm must be"):
-        capserve.create_model("cifar10-conv", class_norm="batch")
-    with pytest.raises(ValueError, match="class_norm='joint' is a LayerNorm"):
-        capserve.create_model("cifar10-conv", class_norm="joint", layer_norm=False)
-    with pytest.raises(ValueError, match="class_norm='joint' is a LayerNorm"):
-        capserve.create_model("cifar10-simple-dynamic", class_norm="joint")
+@pytest.mark.parametrize(
+    "name, overrides, message",
+    [
+        ("cifar10-resnet", {"pose_dim": 15}, "square"),
+        ("cifar10-resnet", {"image_size": 8}, "feature map"),
+        ("cifar10-resnet", {"stem_pool": 2}, "stem_pool is the conv backbone's"),
+        ("cifar10-conv", {"stem_pool": 0}, "stem_pool is the conv backbone's, 1 or more"),
+        ("cifar10-conv", {"init_classes": 0}, "init_classes is attention routing's"),
+        ("cifar10-simple-dynamic", {"init_classes": 10}, "init_classes is attention routing's"),
+        ("cifar10-simple", {"backbone_layers": 5}, "backbone_layers is the conv backbone's"),
+        ("cifar10-conv", {"backbone_layers": 1}, "backbone_layers is the conv backbone's, 2 or more"),
+        ("cifar10-resnet", {"backbone_blocks": 1}, "backbone_blocks is the conv backbone's"),
+        ("cifar10-conv", {"backbone_blocks": -1}, "backbone_blocks is the conv backbone's, 0 or more"),
+        ("cifar10-conv", {"class_norm": "batch"}, "class_norm must be"),
+        ("cifar10-conv", {"class_norm": "joint", "layer_norm": False}, "class_norm='joint' is a LayerNorm"),
+        ("cifar10-simple-dynamic", {"class_norm": "joint"}, "class_norm='joint' is a LayerNorm"),
+    ],
+)
+def test_bad_override_is_a_clear_error(name, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        capserve.create_model(name, **overrides)
 
 
 @pytest.mark.parametrize("class_norm", ["per_class", "joint"])
