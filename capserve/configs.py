@@ -14,108 +14,21 @@ from typing import Any, Literal, get_args
 from capserve.records import checked_fields
 
 CIFAR10_LABELS = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+# the CIFAR-100 fine labels in class-index order, wrapped (one per line would fill a fifth of the module)
+# fmt: off
 CIFAR100_LABELS = (
-    "apple",
-    "aquarium_fish",
-    "baby",
-    "bear",
-    "beaver",
-    "bed",
-    "bee",
-    "beetle",
-    "bicycle",
-    "bottle",
-    "bowl",
-    "boy",
-    "bridge",
-    "bus",
-    "butterfly",
-    "camel",
-    "can",
-    "castle",
-    "caterpillar",
-    "cattle",
-    "chair",
-    "chimpanzee",
-    "clock",
-    "cloud",
-    "cockroach",
-    "couch",
-    "crab",
-    "crocodile",
-    "cup",
-    "dinosaur",
-    "dolphin",
-    "elephant",
-    "flatfish",
-    "forest",
-    "fox",
-    "girl",
-    "hamster",
-    "house",
-    "kangaroo",
-    "keyboard",
-    "lamp",
-    "lawn_mower",
-    "leopard",
-    "lion",
-    "lizard",
-    "lobster",
-    "man",
-    "maple_tree",
-    "motorcycle",
-    "mountain",
-    "mouse",
-    "mushroom",
-    "oak_tree",
-    "orange",
-    "orchid",
-    "otter",
-    "palm_tree",
-    "pear",
-    "pickup_truck",
-    "pine_tree",
-    "plain",
-    "plate",
-    "poppy",
-    "porcupine",
-    "possum",
-    "rabbit",
-    "raccoon",
-    "ray",
-    "road",
-    "rocket",
-    "rose",
-    "sea",
-    "seal",
-    "shark",
-    "shrew",
-    "skunk",
-    "skyscraper",
-    "snail",
-    "snake",
-    "spider",
-    "squirrel",
-    "streetcar",
-    "sunflower",
-    "sweet_pepper",
-    "table",
-    "tank",
-    "telephone",
-    "television",
-    "tiger",
-    "tractor",
-    "train",
-    "trout",
-    "tulip",
-    "turtle",
-    "wardrobe",
-    "whale",
-    "willow_tree",
-    "wolf",
-    "woman",
-    "worm",
+    "apple", "aquarium_fish", "baby", "bear", "beaver", "bed", "bee", "beetle", "bicycle", "bottle", "bowl", "boy",
+    "bridge", "bus", "butterfly", "camel", "can", "castle", "caterpillar", "cattle", "chair", "chimpanzee", "clock",
+    "cloud", "cockroach", "couch", "crab", "crocodile", "cup", "dinosaur", "dolphin", "elephant", "flatfish",
+    "forest", "fox", "girl", "hamster", "house", "kangaroo", "keyboard", "lamp", "lawn_mower", "leopard", "lion",
+    "lizard", "lobster", "man", "maple_tree", "motorcycle", "mountain", "mouse", "mushroom", "oak_tree", "orange",
+    "orchid", "otter", "palm_tree", "pear", "pickup_truck", "pine_tree", "plain", "plate", "poppy", "porcupine",
+    "possum", "rabbit", "raccoon", "ray", "road", "rocket", "rose", "sea", "seal", "shark", "shrew", "skunk",
+    "skyscraper", "snail", "snake", "spider", "squirrel", "streetcar", "sunflower", "sweet_pepper", "table", "tank",
+    "telephone", "television", "tiger", "tractor", "train", "trout", "tulip", "turtle", "wardrobe", "whale",
+    "willow_tree", "wolf", "woman", "worm"
 )
+# fmt: on
 DIGIT_LABELS = tuple(str(d) for d in range(10))
 # The authors' CIFAR normalisation (their code's std, not the dataset's measured one).
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -202,6 +115,11 @@ class ModelConfig:
     # included ("per_position", the paper's), or one per child type shared by every position ("shared": a part
     # votes alike wherever it lies, for objects whose place varies; attention routing only)
     class_weights: Literal["per_position", "shared"] = "per_position"
+    # with "per_position": one transform per child type in each cell of a class_grid × class_grid partition of that
+    # grid instead (rows and columns split as evenly as the side allows, the larger cells first). 1 is "shared", the
+    # grid's side is None's one per position; between them a part's place counts at a cell's resolution, and each
+    # transform learns from every image with a part anywhere in its cell (attention routing only)
+    class_grid: int | None = None
     # the class capsule transforms' initial scale: the authors' init for this many classes (None: the config's own
     # count). Their init grows with the class count (√J), and the larger a transform starts, the less of it AdamW's
     # steps move: a user's many-class run starts as the authors' 10-class one (attention routing only)
@@ -285,6 +203,17 @@ class ModelConfig:
                     f"{self.name}: feature map shrinks to {size} (sizes {self.spatial_sizes}); "
                     "use a larger image_size or smaller kernels/strides"
                 )
+        side = self.spatial_sizes[-1] if not self.capsules or self.capsules[-1].kind == "conv" else 0
+        if self.class_grid is not None and not (
+            1 <= self.class_grid <= side
+            and self.class_weights == "per_position"
+            and self.routing_algorithm == "attention"
+        ):
+            grid = f"{side}×{side} here" if side else "none here: an fc capsule layer feeds it"
+            raise ValueError(
+                f"class_grid splits the grid the class layer reads ({grid}) into cells, 1 to its side, "
+                f"with attention routing and class_weights='per_position'; got {self.class_grid}"
+            )
 
     def _check_class_layer(self) -> None:
         """The class capsule layer's options: attention routing's, each one of its values."""

@@ -83,6 +83,8 @@ class CapsNet(nn.Module):
         in_types = (c.primary_types, *(s.types for s in specs[:-1]))
         # the class layer's options (attention's)
         shared = {"shared": True} if c.class_weights == "shared" else {}
+        if c.class_grid is not None:
+            shared["cells"] = c.class_grid
         if c.init_classes is not None:
             shared["init_types"] = c.init_classes
         if c.class_norm == "joint":

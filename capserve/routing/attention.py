@@ -300,6 +300,8 @@ class CapsuleLayer(nn.Module):
         in_size: side of the child grid (0 when the children come from an fc layer).
         pose: "matrix" or "vector"; pose_dim D is the same for children and parents.
         shared: fc from a grid: one transform per child type, whatever its position (``votes_weight``).
+        cells: fc from a grid: one transform per child type in each cell of a cells×cells partition of the grid
+            (``ModelConfig.class_grid``); 1 is ``shared``, the grid's side a transform per position.
         init_types: the authors' init as for this many parent types (``ModelConfig.init_classes``).
         joint_norm: one LayerNorm over all J parents of a position (``ModelConfig.class_norm="joint"``).
     Shapes:
@@ -316,6 +318,7 @@ class CapsuleLayer(nn.Module):
         layer_norm: bool = True,
         activations: bool = False,
         shared: bool = False,
+        cells: int | None = None,
         init_types: int | None = None,
         joint_norm: bool = False,
     ):
@@ -330,12 +333,18 @@ class CapsuleLayer(nn.Module):
         else:
             n = in_types * max(in_size, 1) ** 2
             fan_in = n
-        # fc from a grid with ``shared``: one transform per child type, whatever its position (``votes_weight``)
-        self.positions = max(in_size, 1) ** 2 if shared and config.kind == "fc" else 1
+        # fc from a grid with ``shared`` or ``cells``: the positions of a cell share one transform per child type
+        # (``votes_weight``); the cell of each position, in (H, W) order, is a buffer the checkpoint need not hold
+        self.cells = 1 if shared else cells
+        if self.cells is not None and config.kind == "fc" and in_size > 0:
+            side = torch.arange(in_size) * self.cells // in_size  # (S,) each row's (and column's) cell
+            self.register_buffer("cell_of", (side[:, None] * self.cells + side).flatten(), persistent=False)  # (P,)
+            n = in_types * self.cells**2
+        else:
+            self.cells = None
         # the authors' init: N(0, 1) · √(J / (√D·N_in·K²)) for matrix poses (D_in in place of √D for vectors), with J
         # = ``init_types`` when given (ModelConfig.init_classes)
         std = math.sqrt((init_types or config.types) / (x * fan_in))
-        n //= self.positions
         self.weight = nn.Parameter(torch.randn(n, config.types, x, y) * std)  # (N, J, X, Y), N = (kh, kw, I)
 
         # joint: one LayerNorm over all J parents of a position, so that their sizes still say which got the votes
@@ -343,12 +352,13 @@ class CapsuleLayer(nn.Module):
         self.activation = nn.Linear(pose_dim, 1) if activations else None
 
     def votes_weight(self) -> Tensor:
-        """The (N, J, X, Y) transforms of every child. Shared across positions, a type's transform is repeated at
-        each of the P positions (children in (H, W, I) order), so a part votes alike wherever it lies in the image:
-        with a transform per position, the same part seen at another place meets weights that never learnt it."""
-        if self.positions == 1:
+        """The (N, J, X, Y) transforms of every child. Shared within cells, a type's transform is repeated at each
+        position of its cell (children in (H, W, I) order), so a part votes alike wherever it lies in the cell: with a
+        transform per position, the same part seen at another place meets weights that never learnt it."""
+        if self.cells is None:
             return self.weight
-        return self.weight.repeat(self.positions, 1, 1, 1)  # (P·I, J, X, Y)
+        per_cell = self.weight.unflatten(0, (self.cells**2, -1))  # (cells², I, J, X, Y)
+        return per_cell[self.cell_of].flatten(0, 1)  # (P·I, J, X, Y)
 
     def _activate(self, u: Tensor) -> Tensor:
         if self.activation is not None:

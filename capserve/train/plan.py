@@ -178,14 +178,18 @@ def backbone_depth(cfg: TrainConfig, manifest: Manifest | None, resume: str | Pa
     return dataclasses.replace(cfg, overrides={**cfg.overrides, **OWN_BACKBONE}), why
 
 
+# a user's class transforms per position, shared within each cell of this grid over the class layer's children
+OWN_CLASS_GRID = 2
+
+
 def chooses_class_weights(cfg: TrainConfig, config: ModelConfig, resume: str | Path | None) -> bool:
     """Whether a run picks its class capsule transforms from its data (``capserve.data.placement``): a new run from
     scratch on a user's images, of an attention capsule model whose class layer reads a grid, without
-    ``--set class_weights=...``."""
+    ``--set class_weights=...`` or ``class_grid=...``."""
     return (
         resume is None
         and not cfg.init
-        and "class_weights" not in cfg.overrides
+        and not {"class_weights", "class_grid"} & cfg.overrides.keys()
         and config.has_routing
         and config.routing_algorithm == "attention"
         and (not config.capsules or config.capsules[-1].kind == "conv")
@@ -315,15 +319,24 @@ def from_the_images(
     cfg: TrainConfig, manifest: Manifest, train: Split, resume: str | Path | None, d: Dist
 ) -> tuple[TrainConfig, ModelConfig, dict[str, str]]:
     """The choices a user's decoded training images make: the class capsule transforms (a new run from scratch of a
-    model that can take either) and the mean/std (unless ``--init`` keeps its own)."""
+    model that can take either; per position, they are shared within the cells of an ``OWN_CLASS_GRID`` grid: docs/
+    own-data.md, "The class transforms per cell") and the mean/std (unless ``--init`` keeps its own)."""
     reasons: dict[str, str] = {}
-    if chooses_class_weights(cfg, model_config(cfg, manifest), resume):
+    config = model_config(cfg, manifest)
+    if chooses_class_weights(cfg, config, resume):
         placement = measure_placement(train.images, train.targets, cfg.seed)
-        # recorded in train_config.json's overrides, so that --resume rebuilds the same model
-        cfg = dataclasses.replace(cfg, overrides={**cfg.overrides, "class_weights": placement.class_weights})
+        chosen: dict[str, str | int] = {"class_weights": placement.class_weights}
         reasons["class_weights"] = placement.reason()
+        if placement.class_weights == "per_position":
+            side = config.spatial_sizes[-1]
+            chosen["class_grid"] = grid = min(OWN_CLASS_GRID, side)
+            reasons["class_weights"] += (
+                f"; one per type in each cell of a {grid}×{grid} grid over the class layer's {side}×{side} children"
+            )
+        # recorded in train_config.json's overrides, so that --resume rebuilds the same model
+        cfg = dataclasses.replace(cfg, overrides={**cfg.overrides, **chosen})
         if d.main:
-            log.info("class capsule transforms: %s (%s)", placement.class_weights, placement.reason())
+            log.info("class capsule transforms: %s (%s)", placement.class_weights, reasons["class_weights"])
     config = model_config(cfg, manifest)
     if not cfg.init:  # --init keeps the mean/std its weights were trained with
         config = dataclasses.replace(config, **data_mean_std(train.images))
@@ -416,7 +429,8 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
         cfg = dataclasses.replace(cfg, augment=default_augment(dataset))
         reasons["augment"] = augment_reason(dataset)
     reasons.setdefault("augment", "given")
-    reasons.setdefault("class_weights", "given" if "class_weights" in cfg.overrides else "the model config's")
+    given_weights = {"class_weights", "class_grid"} & cfg.overrides.keys()
+    reasons.setdefault("class_weights", "given" if given_weights else "the model config's")
     reasons["class_norm"] = norm_reason
     reasons["backbone_depth"] = depth_reason
     cfg, reasons["backbone_loss_grid"] = backbone_loss_grid(cfg, config, resume)

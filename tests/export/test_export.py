@@ -125,6 +125,19 @@ def test_shared_class_transforms_export_like_eager(tmp_path):
     assert np.abs(got - expected).max() < ATOL
 
 
+def test_class_transforms_per_cell_export_like_eager(tmp_path):
+    """The own-data default where labels follow where things lie: class transforms per cell of a 2×2 grid, each
+    position's gathered from its cell's."""
+    model = tiny_model("cifar10-conv", class_grid=2)
+    model.save(tmp_path / "cells")
+    export_checkpoint(tmp_path / "cells", tmp_path / "cells.onnx", [2])
+    x = tiny_input(model, 3)
+    with torch.no_grad():
+        expected = model(x, iterations=2).numpy()
+    got = load_runtime(tmp_path / "cells.onnx", device="cpu").predict(x.numpy())
+    assert np.abs(got - expected).max() < ATOL
+
+
 def logit_scale(model: capserve.CapsNet, logits: np.ndarray) -> float:
     """1, or for EM the logits' magnitude: EM's class logits are λ_T·(β_a − cost), the cost a sum of float32
     log-variances, and where a parent's σ² is small (few children reach it) the logits reach ~20–60 on the tiny test

@@ -35,7 +35,9 @@ def test_config_json_is_plain_data(tmp_path):
     assert data["config"]["labels"] == [str(d) for d in range(10)]
 
 
-@pytest.mark.parametrize("field, value", [("class_norm", "per_class"), ("backbone_layers", 3), ("backbone_blocks", 0)])
+@pytest.mark.parametrize(
+    "field, value", [("class_norm", "per_class"), ("backbone_layers", 3), ("backbone_blocks", 0), ("class_grid", None)]
+)
 def test_a_model_saved_before_a_field_existed_loads_as_it_was_trained(tmp_path, field, value):
     """A config.json without ``class_norm``, ``backbone_layers`` or ``backbone_blocks`` (every model folder written
     before they existed, the own-images model's included) is a model whose class capsules were LayerNorm'd one by one,

@@ -205,6 +205,39 @@ def test_shared_class_weights_vote_alike_wherever_a_part_lies():
         capserve.create_model("cifar10-simple", class_weights="pooled")
 
 
+def test_class_grid_shares_each_transform_within_a_cell_and_spans_shared_to_per_position():
+    """class_grid=N: the class layer keeps one transform per child type in each cell of an N×N grid over its
+    children, so a part votes alike anywhere in its cell and differently in another; 1 is class_weights='shared', the
+    grid's side one transform per position, number for number."""
+    torch.manual_seed(0)
+    overrides = {**tiny_overrides("cifar10-simple"), "activations": False}
+    per_position = capserve.create_model("cifar10-simple", **overrides)
+    layer = per_position.capsules[-1]
+    side, types = per_position.config.spatial_sizes[-1], overrides["capsules"][-1].types
+    cells = capserve.create_model("cifar10-simple", **overrides, class_grid=2).capsules[-1]
+    assert cells.weight.shape[0] == 4 * types and layer.weight.shape[0] == side * side * types
+    votes = cells.votes_weight().unflatten(0, (side, side, types))  # (H, W, I, J, X, Y)
+    rows = [0] * (side - side // 2) + [1] * (side // 2)  # the larger half first
+    for h in range(side):
+        for w in range(side):
+            cell = cells.weight.unflatten(0, (2, 2, types))[rows[h], rows[w]]
+            assert torch.equal(votes[h, w], cell)
+    children = torch.randn(2, side, side, types, 16)  # (B, H, W, I, D)
+    for grid, same_as in ((1, "shared"), (side, "per_position")):
+        model = capserve.create_model("cifar10-simple", **overrides, class_grid=grid)
+        reference = capserve.create_model("cifar10-simple", **overrides, class_weights=same_as)
+        model.capsules[-1].load_state_dict(reference.capsules[-1].state_dict())
+        assert torch.equal(model.capsules[-1].route(children, 3)[0], reference.capsules[-1].route(children, 3)[0])
+    for bad, message in (
+        ({"class_grid": 0}, "class_grid splits the grid the class layer reads"),
+        ({"class_grid": side + 1}, f"the class layer reads \\({side}×{side} here\\)"),
+        ({"class_grid": 2, "class_weights": "shared"}, "class_weights='per_position'; got 2"),
+        ({"class_grid": 2, "capsules": ({"kind": "fc", "types": 4},)}, "none here: an fc capsule layer feeds it"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            capserve.get_config("cifar10-simple", **bad)
+
+
 def test_with_activations_a_silent_child_changes_nothing():
     """activations=True: a child whose gate is closed (background, clutter) adds nothing to its parents, whatever
     its pose; without the gate every LayerNorm'd pose votes in full, so the same change moves the parents."""

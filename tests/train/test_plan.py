@@ -330,6 +330,39 @@ def test_a_new_run_on_own_images_puts_residual_blocks_in_front_of_the_capsules(m
     assert plan.reasons["backbone_depth"] == "the model config's"
 
 
+def test_class_transforms_per_position_are_shared_within_the_cells_of_a_2x2_grid(tmp_path):
+    """Where a user's labels follow where things lie, a new run keeps the class transforms per position at the
+    resolution of a 2×2 grid of cells (``class_grid``), recorded in its overrides with the reason, and ``--resume``
+    rebuilds it; ``--set class_grid=N`` decides instead, and objects anywhere keep transforms shared by every
+    position."""
+    centred = write_marks(tmp_path / "centred", 10, np.random.default_rng(1), placed=False)
+    out = tmp_path / "run"
+    train(own_config(centred, out, epochs=2, max_steps=1))
+    record = json.loads((out / "train_config.json").read_text())
+    side = capserve.read_config(out / "last").spatial_sizes[-1]
+    assert (record["overrides"]["class_weights"], record["overrides"]["class_grid"]) == ("per_position", 2)
+    assert record["reasons"]["class_weights"].endswith(
+        f"one per type in each cell of a 2×2 grid over the class layer's {side}×{side} children"
+    )
+    train(read_resume_config(out), resume=out)
+    assert capserve.read_config(out / "last").class_grid == 2
+    cpu, dist = torch.device("cpu"), Dist()
+    given = plan_run(
+        own_config(centred, tmp_path / "given", overrides={**tiny_overrides("cifar10-conv"), "class_grid": 3}),
+        None,
+        dist,
+        cpu,
+    )
+    assert (given.config.class_weights, given.config.class_grid, given.reasons["class_weights"]) == (
+        "per_position",
+        3,
+        "given",
+    )
+    anywhere = write_marks(tmp_path / "anywhere", 10, np.random.default_rng(0), placed=True)
+    plan = plan_run(own_config(anywhere, tmp_path / "anywhere-run"), None, dist, cpu)
+    assert (plan.config.class_weights, plan.config.class_grid) == ("shared", None)
+
+
 def test_a_resumed_run_rebuilds_its_model_and_one_recorded_before_the_own_images_choices_its_first_one(marks, tmp_path):
     """``--resume`` rebuilds the class capsules' LayerNorm and the backbone the run chose (recorded in its overrides);
     a run whose records have neither built each class capsule's LayerNorm alone (the paper's) on three conv layers,
