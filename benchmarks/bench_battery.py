@@ -60,6 +60,7 @@ EPOCHS = {
     "letter-tiles": 4,
     "photo-tiles": 6,
     "phone-photos": 6,
+    "counts": 5,
 }
 
 
