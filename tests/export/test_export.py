@@ -112,29 +112,18 @@ def test_onnxruntime_matches_eager(exports, name, T):
             assert onnx_error <= max(atol, 1.5 * eager_error), f"{name} T={T} B={B}: {diff=:.2e} {eager_error=:.2e}"
 
 
-def test_shared_class_transforms_export_like_eager(tmp_path):
-    """The own-data default on objects anywhere: class transforms shared by every position, gated children."""
-    model = tiny_model("cifar10-conv", class_weights="shared")
+@pytest.mark.parametrize("overrides", [{"class_weights": "shared"}, {"class_grid": 2}], ids=["shared", "cells"])
+def test_the_own_data_class_layers_export_like_eager(tmp_path, overrides):
+    """The own-data defaults' class layers, with gated children: transforms shared by every position (objects
+    anywhere), or one per cell of a 2×2 grid, each position's gathered from its cell's (labels that follow place)."""
+    model = tiny_model("cifar10-conv", **overrides)
     assert model.config.activations
-    model.save(tmp_path / "shared")
-    export_checkpoint(tmp_path / "shared", tmp_path / "shared.onnx", [2])
+    model.save(tmp_path / "model")
+    export_checkpoint(tmp_path / "model", tmp_path / "model.onnx", [2])
     x = tiny_input(model, 3)
     with torch.no_grad():
         expected = model(x, iterations=2).numpy()
-    got = load_runtime(tmp_path / "shared.onnx", device="cpu").predict(x.numpy())
-    assert np.abs(got - expected).max() < ATOL
-
-
-def test_class_transforms_per_cell_export_like_eager(tmp_path):
-    """The own-data default where labels follow where things lie: class transforms per cell of a 2×2 grid, each
-    position's gathered from its cell's."""
-    model = tiny_model("cifar10-conv", class_grid=2)
-    model.save(tmp_path / "cells")
-    export_checkpoint(tmp_path / "cells", tmp_path / "cells.onnx", [2])
-    x = tiny_input(model, 3)
-    with torch.no_grad():
-        expected = model(x, iterations=2).numpy()
-    got = load_runtime(tmp_path / "cells.onnx", device="cpu").predict(x.numpy())
+    got = load_runtime(tmp_path / "model.onnx", device="cpu").predict(x.numpy())
     assert np.abs(got - expected).max() < ATOL
 
 
