@@ -400,8 +400,13 @@ class CapsuleLayer(nn.Module):
         return self._grid(new, u), coefficients
 
 
-def cross_entropy_loss(logits: Tensor, targets: Tensor, multi_label: bool, progress: float = 1.0) -> Tensor:
-    """Softmax cross-entropy, or per-class binary cross-entropy for multi-label targets."""
+def cross_entropy_loss(
+    logits: Tensor, targets: Tensor, multi_label: bool, progress: float = 1.0, label_smoothing: float = 0.0
+) -> Tensor:
+    """Softmax cross-entropy (against targets smoothed by ``label_smoothing``: 1 - ε on the label, ε spread evenly over
+    all classes), or per-class binary cross-entropy for multi-label targets, which are never smoothed."""
     if multi_label:
+        if label_smoothing:
+            raise ValueError("label smoothing spreads one label's weight over the others: single-label targets only")
         return F.binary_cross_entropy_with_logits(logits, targets)
-    return F.cross_entropy(logits, targets)
+    return F.cross_entropy(logits, targets, label_smoothing=label_smoothing)

@@ -44,15 +44,15 @@ class BackboneClassifier(nn.Module):
     def _keep(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
         self._features = output if module.training else None
 
-    def loss(self, targets: Tensor, multi_label: bool) -> Tensor:
-        """``weight`` × the cross-entropy (multi-label: binary, per class) of the last training forward's backbone
-        features, read once."""
+    def loss(self, targets: Tensor, multi_label: bool, label_smoothing: float = 0.0) -> Tensor:
+        """``weight`` × the cross-entropy (multi-label: binary, per class; single-label: with the capsules' label
+        smoothing) of the last training forward's backbone features, read once."""
         features, self._features = self._features, None
         if features is None:
             raise RuntimeError("no backbone features to classify: call the model in training mode first")
         pooled = F.adaptive_avg_pool2d(features.float(), self.grid).flatten(1)  # (B, channels·grid²)
         logits = self.linear(pooled)  # (B, C)
-        return self.weight * cross_entropy_loss(logits, targets, multi_label)
+        return self.weight * cross_entropy_loss(logits, targets, multi_label, label_smoothing=label_smoothing)
 
     def average_gradients(self) -> None:
         """In a DDP run, the mean of every process's gradients (DDP averages the model's, not this module's)."""

@@ -143,6 +143,14 @@ def _add_recipe(p: argparse.ArgumentParser) -> None:
         "Default: 4 where the class capsule transforms are per position (the labels follow where things lie), 1 (a "
         "global average) where they are shared (docs/own-data.md)",
     )
+    p.add_argument(
+        "--label-smoothing",
+        type=float,
+        metavar="EPS",
+        help="single-label cross-entropy against targets smoothed by EPS (1 - EPS on the label, EPS spread over all "
+        "classes). Default: 0.1 for your own images, 0 for the built-in data sets; multi-label data and dynamic or "
+        "EM routing take none (docs/own-data.md)",
+    )
     p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9; Adam and AdamW take none)")
     p.add_argument(
         "--weight-decay",
@@ -230,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
             capsule_lr_scale=args.capsule_lr_scale,
             backbone_loss=args.backbone_loss,
             backbone_loss_grid=args.backbone_loss_grid,
+            label_smoothing=args.label_smoothing,
             momentum=args.momentum,
             weight_decay=args.weight_decay,
             schedule=args.schedule,

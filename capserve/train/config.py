@@ -80,6 +80,12 @@ AUTO_BACKBONE_LOSS = {"builtin": 0.0, "own": 1.0}
 # finer than the backbone's map.
 AUTO_BACKBONE_LOSS_GRID = {"per_position": 4, "shared": 1}
 
+# The label smoothing of a single-label cross-entropy, without --label-smoothing: on a user's images, 0.1 (Szegedy et
+# al.'s) kept the capsules' short runs from memorising their few thousand images on the sets of many classes, and
+# cost none of the others (docs/own-data.md, "Label smoothing"); the built-in data sets keep the paper's recipe.
+# Multi-label targets, and the margin and spread losses of dynamic and EM routing, are never smoothed.
+AUTO_LABEL_SMOOTHING = {"builtin": 0.0, "own": 0.1}
+
 
 @dataclass
 class TrainConfig:
@@ -95,6 +101,7 @@ class TrainConfig:
     capsule_lr_scale: float | None = None  # the capsule layers' lr over the backbone's; None: AUTO_CAPSULE_LR_SCALE
     backbone_loss: float | None = None  # the backbone classifier's loss weight (0: none); None: AUTO_BACKBONE_LOSS
     backbone_loss_grid: int | None = None  # its N×N average pool; None: AUTO_BACKBONE_LOSS_GRID (resolved by the plan)
+    label_smoothing: float | None = None  # single-label cross-entropy's ε; None: AUTO_LABEL_SMOOTHING (by the plan)
     momentum: float | None = None  # SGD only; None: 0.9
     optimizer: str = "auto"  # OPTIMIZERS; "auto" is resolved by the training set-up (``resolve_recipe``)
     weight_decay: float | None = None  # None: DEFAULT_WEIGHT_DECAY of the optimizer (resolved likewise)
@@ -152,6 +159,8 @@ class TrainConfig:
             raise ValueError(f"--backbone-loss must be a weight >= 0 (0: none), got {self.backbone_loss}")
         if self.backbone_loss_grid is not None and self.backbone_loss_grid < 1:
             raise ValueError(f"--backbone-loss-grid must be >= 1 (1: a global average), got {self.backbone_loss_grid}")
+        if self.label_smoothing is not None and not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"--label-smoothing must be in [0, 1) (0: none), got {self.label_smoothing}")
         if self.label_map and not self.init:
             raise ValueError("--label-map renames labels of the --init model: give --init MODEL_DIR too")
         if self.name is not None and not self.name.strip():
@@ -212,4 +221,5 @@ def read_resume_config(path: str | Path) -> TrainConfig:
     recorded.setdefault("capsule_lr_scale", 1.0)  # a run recorded before the scale existed trained at one lr
     recorded.setdefault("backbone_loss", 0.0)  # ... and before the backbone loss, without one
     recorded.setdefault("backbone_loss_grid", 1)  # ... and before its grid, with a global average
+    recorded.setdefault("label_smoothing", 0.0)  # ... and before label smoothing, without it
     return TrainConfig(**recorded)

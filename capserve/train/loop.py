@@ -70,13 +70,16 @@ def improves(acc: float, loss: float | None, best_acc: float | None, best_loss: 
     return acc == best_acc and loss is not None and (best_loss is None or loss < best_loss)
 
 
-def loss_and_hits(logits: Tensor, targets: Tensor, config: ModelConfig, progress: float = 1.0) -> tuple[Tensor, Tensor]:
-    """Mean loss (``config``'s routing's own, ``capserve.routing.losses``) and the number of correct images (top-1, or
-    exact match under the server's decision rule and the config's thresholds for multi-label); ``progress`` is the
-    fraction of training done (for schedules)."""
+def loss_and_hits(
+    logits: Tensor, targets: Tensor, config: ModelConfig, progress: float = 1.0, label_smoothing: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Mean loss (``config``'s routing's own, ``capserve.routing.losses``; a training step's with its targets smoothed
+    by ``label_smoothing``, validation's without) and the number of correct images (top-1, or exact match under the
+    server's decision rule and the config's thresholds for multi-label); ``progress`` is the fraction of training
+    done (for schedules)."""
     logits = logits.float()
     multi_label = config.task == "multi_label"
-    loss = training_loss(config)(logits, targets, multi_label, progress)
+    loss = training_loss(config, label_smoothing)(logits, targets, multi_label, progress)
     if multi_label:
         decided = torch.from_numpy(multi_label_decisions(logits.detach().cpu().numpy(), config.thresholds))
         hits = (decided.to(targets.device) == (targets > 0.5)).all(dim=1).sum()
@@ -271,10 +274,11 @@ def train_step(run: Run, x: Tensor, y: Tensor, progress: float) -> tuple[Tensor,
         group["lr"] = lr * group.get("lr_scale", 1.0)  # a resumed optimizer recorded before scales has none
     with _autocast(run.device, cfg.amp):
         logits = run.net(x)
-    loss, hits = loss_and_hits(logits, y, run.model.config, progress)
+    loss, hits = loss_and_hits(logits, y, run.model.config, progress, cfg.label_smoothing)
     head = run.backbone_head
     # the capsules' loss is what the run reports; the backbone classifier's only joins the gradient
-    total = loss if head is None else loss + head.loss(y, run.model.config.task == "multi_label")
+    multi_label = run.model.config.task == "multi_label"
+    total = loss if head is None else loss + head.loss(y, multi_label, cfg.label_smoothing)
     opt.zero_grad(set_to_none=True)
     if scaler is not None:
         scaler.scale(total).backward()

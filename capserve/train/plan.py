@@ -1,7 +1,7 @@
 """A run's plan: every choice that depends on the data, made once, before anything is built (``plan_run``).
 
-The recipe (optimizer, lr, weight decay, schedule), the batch size, the augmentation, the mean/std, the class
-capsule transforms, and why each was chosen; the model config the run builds its model from, once
+The recipe (optimizer, lr, weight decay, schedule, label smoothing), the batch size, the augmentation, the mean/std,
+the class capsule transforms, and why each was chosen; the model config the run builds its model from, once
 (``Plan.build_model``); and the data, decoded at that model's input. ``train_config.json`` records the resolved
 ``TrainConfig`` with the reasons (``Plan.record``), and ``--resume`` rebuilds the same model from it.
 """
@@ -27,7 +27,16 @@ from capserve.data.preprocess import data_mean_std
 from capserve.data.splits import Split
 from capserve.files import write_whole
 from capserve.model.factory import Model, build_model
-from capserve.train.config import AUTO_BACKBONE_LOSS_GRID, DEFAULT_LR, DEFAULT_VAL_SIZE, TrainConfig, resolve_recipe
+from capserve.routing.attention import cross_entropy_loss
+from capserve.routing.losses import training_loss
+from capserve.train.config import (
+    AUTO_BACKBONE_LOSS_GRID,
+    AUTO_LABEL_SMOOTHING,
+    DEFAULT_LR,
+    DEFAULT_VAL_SIZE,
+    TrainConfig,
+    resolve_recipe,
+)
 from capserve.train.distributed import Dist
 from capserve.train.state import check_init
 
@@ -38,6 +47,7 @@ __all__ = [
     "backbone_depth",
     "chooses_class_weights",
     "class_norm",
+    "label_smoothing",
     "model_config",
     "plan_run",
     "val_size_of",
@@ -281,6 +291,32 @@ def backbone_loss(cfg: TrainConfig, config: ModelConfig, given: TrainConfig) -> 
     return dataclasses.replace(cfg, backbone_loss=0.0), why
 
 
+def label_smoothing(
+    cfg: TrainConfig, config: ModelConfig, own: bool, resume: str | Path | None
+) -> tuple[TrainConfig, str]:
+    """``cfg`` with the label smoothing resolved (and why): as given, or ``AUTO_LABEL_SMOOTHING`` for the data; none
+    where the targets are not one label's or the loss is not a cross-entropy. Given for either, it is a mistake the
+    user hears about."""
+    if resume is not None:
+        return cfg, RESUMED
+    if config.task == "multi_label":
+        why_not = "multi-label targets say of each label on its own whether it is there"
+    elif training_loss(config) is not cross_entropy_loss:
+        why_not = f"{config.routing_algorithm} routing trains with its own paper's loss"
+    else:
+        why_not = None
+    if why_not is not None:
+        if cfg.label_smoothing:
+            raise ValueError(f"--label-smoothing softens one label's cross-entropy, and {why_not}: drop it")
+        return dataclasses.replace(cfg, label_smoothing=0.0), why_not
+    if cfg.label_smoothing is not None:
+        return cfg, "given"
+    data = "your own images" if own else "the built-in data sets"
+    return dataclasses.replace(cfg, label_smoothing=AUTO_LABEL_SMOOTHING["own" if own else "builtin"]), (
+        f"the default for {data}"
+    )
+
+
 def backbone_loss_grid(cfg: TrainConfig, config: ModelConfig, resume: str | Path | None) -> tuple[TrainConfig, str]:
     """``cfg`` with the backbone classifier's pooling grid resolved (and why): as given, or by the run's class capsule
     transforms (``AUTO_BACKBONE_LOSS_GRID``); 1 where there is no backbone loss. Given to a run without one, it is a
@@ -353,13 +389,15 @@ def log_choices(plan: Plan, d: Dist) -> None:
             f" (capsule layers ×{cfg.capsule_lr_scale:g})" if config.has_routing and cfg.capsule_lr_scale != 1 else ""
         )
         log.info(
-            "recipe: %s lr %g%s, weight decay %g, %s schedule, batch %d",
+            "recipe: %s lr %g%s, weight decay %g, %s schedule, batch %d, label smoothing %g (%s)",
             cfg.optimizer,
             cfg.lr,
             scaled,
             cfg.weight_decay,
             cfg.schedule,
             cfg.batch_size,
+            cfg.label_smoothing,
+            plan.reasons["label_smoothing"],
         )
         if cfg.backbone_loss:
             log.info(
@@ -434,6 +472,7 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
     reasons["class_norm"] = norm_reason
     reasons["backbone_depth"] = depth_reason
     cfg, reasons["backbone_loss_grid"] = backbone_loss_grid(cfg, config, resume)
+    cfg, reasons["label_smoothing"] = label_smoothing(cfg, config, manifest is not None, resume)
     reasons.setdefault("mean_std", "kept with --init (the model config's)" if cfg.init else "the model config's")
     if config.stem_pool > 1 and "stem_pool" not in cfg.overrides:
         reasons["stem_pool"] = (

@@ -17,16 +17,18 @@ from support.models import tiny_overrides
 
 import capserve
 from capserve.cli import main
+from capserve.configs import get_config
 from capserve.data.cache import CACHE_FILE
 from capserve.data.preprocess import data_mean_std
 from capserve.model.backbones import BasicBlock
 from capserve.model.capsnet import CapsNet
+from capserve.routing.losses import training_loss
 from capserve.train.backbone_loss import BackboneClassifier
 from capserve.train.config import TrainConfig, read_resume_config, resolve_recipe
 from capserve.train.distributed import Dist
 from capserve.train.loop import train
 from capserve.train.optimizer import make_optimizer
-from capserve.train.plan import RESUMED, plan_run
+from capserve.train.plan import RESUMED, label_smoothing, plan_run
 
 REASONS = {
     "optimizer",
@@ -35,6 +37,7 @@ REASONS = {
     "capsule_lr_scale",
     "backbone_loss",
     "backbone_loss_grid",
+    "label_smoothing",
     "augment",
     "class_weights",
     "class_norm",
@@ -236,6 +239,50 @@ def test_own_images_train_a_backbone_classifier_beside_the_capsules_and_nothing_
         own_config(marks, tmp_path / "c", backbone_loss=-1.0)
 
 
+def test_one_label_of_a_users_images_is_smoothed_and_every_other_target_left_whole(marks, tmp_path, monkeypatch):
+    """``--label-smoothing``: a single-label run on a user's images trains its capsules and its backbone classifier
+    on targets smoothed by 0.1 (recorded with its reason) and validates on the plain cross-entropy; the built-in
+    data sets keep the paper's recipe (0); multi-label targets, and dynamic routing's margin loss, take none, and a
+    user who gives it there hears why."""
+    smoothing = []
+    cross_entropy = torch.nn.functional.cross_entropy
+
+    def spy(*args, **kwargs):
+        smoothing.append((torch.is_grad_enabled(), kwargs.get("label_smoothing", 0.0)))
+        return cross_entropy(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", spy)
+    out = tmp_path / "run"
+    train(own_config(marks, out, val_size=3))
+    record = json.loads((out / "train_config.json").read_text())
+    assert (record["label_smoothing"], record["reasons"]["label_smoothing"]) == (0.1, "the default for your own images")
+    assert [eps for grad, eps in smoothing if grad] == [0.1, 0.1]  # one step: the capsules' loss, the classifier's
+    assert {eps for grad, eps in smoothing if not grad} == {0.0}  # validation
+    logits, targets = torch.randn(5, 4), torch.tensor([0, 3, 1, 1, 2])
+    smoothed = training_loss(capserve.read_config(out / "best"), 0.1)(logits, targets, False, 1.0)
+    log_p = logits.log_softmax(1)
+    expected = -(0.9 * log_p.gather(1, targets[:, None]).squeeze(1) + 0.1 * log_p.mean(1)).mean()
+    assert smoothed.item() == pytest.approx(expected.item(), rel=1e-5)
+    given = plan_run(own_config(marks, tmp_path / "given", label_smoothing=0.0), None, Dist(), torch.device("cpu"))
+    assert (given.cfg.label_smoothing, given.reasons["label_smoothing"]) == (0.0, "given")
+    builtin = get_config("cifar10-conv")
+    assert label_smoothing(own_config(marks, out), builtin, own=False, resume=None)[0].label_smoothing == 0.0
+    multi = dataclasses.replace(builtin, task="multi_label")
+    cfg, why = label_smoothing(own_config(marks, out), multi, own=True, resume=None)
+    assert cfg.label_smoothing == 0.0 and why.startswith("multi-label")
+    with pytest.raises(ValueError, match="multi-label targets say of each label on its own .*: drop it"):
+        label_smoothing(own_config(marks, out, label_smoothing=0.1), multi, own=True, resume=None)
+    dynamic = get_config("cifar10-simple-dynamic")
+    assert label_smoothing(own_config(marks, out), dynamic, own=True, resume=None)[0].label_smoothing == 0.0
+    with pytest.raises(ValueError, match="dynamic routing trains with its own paper's loss: drop it"):
+        label_smoothing(own_config(marks, out, label_smoothing=0.2), dynamic, own=True, resume=None)
+    with pytest.raises(ValueError, match="dynamic routing trains with its own paper's loss"):
+        training_loss(dynamic, 0.1)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=r"--label-smoothing must be in \[0, 1\)"):
+            own_config(marks, out, label_smoothing=bad)
+
+
 def test_the_backbone_classifier_keeps_where_things_lie_where_the_labels_follow_it(marks, tmp_path):
     """``--backbone-loss-grid``: the backbone classifier pools the backbone's map to 4×4 where the run's class
     capsule transforms are per position (the labels follow where things lie), globally where they are shared; as
@@ -272,22 +319,25 @@ def test_the_backbone_classifier_keeps_where_things_lie_where_the_labels_follow_
         train(own_config(marks, tmp_path / "finer", backbone_loss_grid=side + 1))
 
 
-def test_a_run_recorded_before_the_backbone_classifier_grid_resumes_with_a_global_pool(tmp_path):
+def test_a_run_recorded_before_the_classifier_grid_and_label_smoothing_resumes_as_it_trained(tmp_path):
     """A run whose record has no ``backbone_loss_grid`` trained its backbone classifier on a global average pool,
-    whatever its class transforms: ``--resume`` continues that classifier, with its optimizer state."""
+    whatever its class transforms, and one with no ``label_smoothing`` on whole labels: ``--resume`` continues that
+    classifier, with its optimizer state, on whole labels."""
     centred = write_marks(tmp_path / "centred", 10, np.random.default_rng(1), placed=False)
     out = tmp_path / "run"
     train(own_config(centred, out, epochs=2, max_steps=1, backbone_loss_grid=1))
     for path in (out / "last" / "trainer.json", out / "train_config.json"):
         record = json.loads(path.read_text())
         del record.get("train_config", record)["backbone_loss_grid"]
+        del record.get("train_config", record)["label_smoothing"]
         path.write_text(json.dumps(record))
     before = load_file(out / "last" / "optimizer.safetensors")["backbone_head.linear.weight"]
     summary = train(read_resume_config(out), resume=out)
     assert summary["best_epoch"] is not None
     after = load_file(out / "last" / "optimizer.safetensors")["backbone_head.linear.weight"]
     assert after.shape == before.shape and not torch.equal(after, before)  # the same classifier, trained on
-    assert json.loads((out / "last" / "trainer.json").read_text())["train_config"]["backbone_loss_grid"] == 1
+    resumed = json.loads((out / "last" / "trainer.json").read_text())["train_config"]
+    assert (resumed["backbone_loss_grid"], resumed["label_smoothing"]) == (1, 0.0)
     assert json.loads((out / "train_config.json").read_text())["reasons"]["backbone_loss_grid"] == RESUMED
 
 
