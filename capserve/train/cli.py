@@ -148,8 +148,8 @@ def _add_recipe(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="EPS",
         help="single-label cross-entropy against targets smoothed by EPS (1 - EPS on the label, EPS spread over all "
-        "classes). Default: 0.1 for your own images, 0 for the built-in data sets; multi-label data and dynamic or "
-        "EM routing take none (docs/own-data.md)",
+        "classes). Default: 0.1 for a capsule network on your own images, 0 for a CNN and for the built-in data sets; "
+        "multi-label data and dynamic or EM routing take none (docs/own-data.md)",
     )
     p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9; Adam and AdamW take none)")
     p.add_argument(

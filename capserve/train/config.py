@@ -80,10 +80,11 @@ AUTO_BACKBONE_LOSS = {"builtin": 0.0, "own": 1.0}
 # finer than the backbone's map.
 AUTO_BACKBONE_LOSS_GRID = {"per_position": 4, "shared": 1}
 
-# The label smoothing of a single-label cross-entropy, without --label-smoothing: on a user's images, 0.1 (Szegedy et
-# al.'s) kept the capsules' short runs from memorising their few thousand images on the sets of many classes, and
-# cost none of the others (docs/own-data.md, "Label smoothing"); the built-in data sets keep the paper's recipe.
-# Multi-label targets, and the margin and spread losses of dynamic and EM routing, are never smoothed.
+# A capsule network's label smoothing of a single-label cross-entropy, without --label-smoothing: on a user's images,
+# 0.1 (Szegedy et al.'s) lifted the capsules' short runs on the sets of many classes and cost none of the others; the
+# CNN baseline it moved by a seed's spread either way, so a CNN keeps whole labels (docs/own-data.md, "Label
+# smoothing"). The built-in data sets keep the paper's recipe. Multi-label targets, and the margin and spread losses of
+# dynamic and EM routing, are never smoothed.
 AUTO_LABEL_SMOOTHING = {"builtin": 0.0, "own": 0.1}
 
 

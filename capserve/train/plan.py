@@ -294,9 +294,9 @@ def backbone_loss(cfg: TrainConfig, config: ModelConfig, given: TrainConfig) -> 
 def label_smoothing(
     cfg: TrainConfig, config: ModelConfig, own: bool, resume: str | Path | None
 ) -> tuple[TrainConfig, str]:
-    """``cfg`` with the label smoothing resolved (and why): as given, or ``AUTO_LABEL_SMOOTHING`` for the data; none
-    where the targets are not one label's or the loss is not a cross-entropy. Given for either, it is a mistake the
-    user hears about."""
+    """``cfg`` with the label smoothing resolved (and why): as given, or a capsule network's ``AUTO_LABEL_SMOOTHING``
+    for the data (a CNN: none); none where the targets are not one label's or the loss is not a cross-entropy. Given
+    for either, it is a mistake the user hears about."""
     if resume is not None:
         return cfg, RESUMED
     if config.task == "multi_label":
@@ -311,6 +311,10 @@ def label_smoothing(
         return dataclasses.replace(cfg, label_smoothing=0.0), why_not
     if cfg.label_smoothing is not None:
         return cfg, "given"
+    if not config.has_routing:
+        return dataclasses.replace(
+            cfg, label_smoothing=0.0
+        ), f"{config.name} is a CNN: smoothing helped the capsules on the battery, not it"
     data = "your own images" if own else "the built-in data sets"
     return dataclasses.replace(cfg, label_smoothing=AUTO_LABEL_SMOOTHING["own" if own else "builtin"]), (
         f"the default for {data}"

@@ -240,10 +240,10 @@ def test_own_images_train_a_backbone_classifier_beside_the_capsules_and_nothing_
 
 
 def test_one_label_of_a_users_images_is_smoothed_and_every_other_target_left_whole(marks, tmp_path, monkeypatch):
-    """``--label-smoothing``: a single-label run on a user's images trains its capsules and its backbone classifier
-    on targets smoothed by 0.1 (recorded with its reason) and validates on the plain cross-entropy; the built-in
-    data sets keep the paper's recipe (0); multi-label targets, and dynamic routing's margin loss, take none, and a
-    user who gives it there hears why."""
+    """``--label-smoothing``: a single-label capsule run on a user's images trains its capsules and its backbone
+    classifier on targets smoothed by 0.1 (recorded with its reason) and validates on the plain cross-entropy; a CNN
+    and the built-in data sets take none unless given; multi-label targets, and dynamic routing's margin loss, take
+    none, and a user who gives it there hears why."""
     smoothing = []
     cross_entropy = torch.nn.functional.cross_entropy
 
@@ -265,6 +265,14 @@ def test_one_label_of_a_users_images_is_smoothed_and_every_other_target_left_who
     assert smoothed.item() == pytest.approx(expected.item(), rel=1e-5)
     given = plan_run(own_config(marks, tmp_path / "given", label_smoothing=0.0), None, Dist(), torch.device("cpu"))
     assert (given.cfg.label_smoothing, given.reasons["label_smoothing"]) == (0.0, "given")
+    cnn = own_config(marks, tmp_path / "cnn", model="cifar10-conv-cnn", overrides=tiny_overrides("cifar10-conv-cnn"))
+    plan = plan_run(cnn, None, Dist(), torch.device("cpu"))
+    assert (plan.cfg.label_smoothing, plan.reasons["label_smoothing"]) == (
+        0.0,
+        "cifar10-conv-cnn is a CNN: smoothing helped the capsules on the battery, not it",
+    )
+    plan = plan_run(dataclasses.replace(cnn, label_smoothing=0.1), None, Dist(), torch.device("cpu"))
+    assert (plan.cfg.label_smoothing, plan.reasons["label_smoothing"]) == (0.1, "given")
     builtin = get_config("cifar10-conv")
     assert label_smoothing(own_config(marks, out), builtin, own=False, resume=None)[0].label_smoothing == 0.0
     multi = dataclasses.replace(builtin, task="multi_label")
