@@ -61,6 +61,7 @@ EPOCHS = {
     "photo-tiles": 6,
     "phone-photos": 6,
     "counts": 5,
+    "turned-photos": 6,
 }
 
 
