@@ -453,6 +453,7 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
     reasons = recipe_reasons(given, cfg, manifest is not None, resume)
     cfg, no_backbone_loss = backbone_loss(cfg, config, given)
     reasons["backbone_loss"] = no_backbone_loss or reasons["backbone_loss"]
+    cfg, reasons["label_smoothing"] = label_smoothing(cfg, config, manifest is not None, resume)
     out = Path(cfg.out)
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
@@ -476,7 +477,6 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
     reasons["class_norm"] = norm_reason
     reasons["backbone_depth"] = depth_reason
     cfg, reasons["backbone_loss_grid"] = backbone_loss_grid(cfg, config, resume)
-    cfg, reasons["label_smoothing"] = label_smoothing(cfg, config, manifest is not None, resume)
     reasons.setdefault("mean_std", "kept with --init (the model config's)" if cfg.init else "the model config's")
     if config.stem_pool > 1 and "stem_pool" not in cfg.overrides:
         reasons["stem_pool"] = (

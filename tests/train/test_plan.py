@@ -280,6 +280,10 @@ def test_one_label_of_a_users_images_is_smoothed_and_every_other_target_left_who
     assert cfg.label_smoothing == 0.0 and why.startswith("multi-label")
     with pytest.raises(ValueError, match="multi-label targets say of each label on its own .*: drop it"):
         label_smoothing(own_config(marks, out, label_smoothing=0.1), multi, own=True, resume=None)
+    rows = ["image,labels"] + [f"{p.relative_to(marks.parent)},{p.parent.name} x" for p in marks.rglob("*.png")]
+    (marks.parent / "two-labels.csv").write_text("\n".join(rows) + "\n")
+    args = ["--data", str(marks.parent / "two-labels.csv"), "--out", str(tmp_path / "two"), "--label-smoothing", "0.1"]
+    assert main(["train", *args]) == 2 and not (tmp_path / "two").exists()  # refused before anything is written
     dynamic = get_config("cifar10-simple-dynamic")
     assert label_smoothing(own_config(marks, out), dynamic, own=True, resume=None)[0].label_smoothing == 0.0
     with pytest.raises(ValueError, match="dynamic routing trains with its own paper's loss: drop it"):
