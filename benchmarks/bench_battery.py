@@ -62,6 +62,7 @@ EPOCHS = {
     "phone-photos": 6,
     "counts": 5,
     "turned-photos": 6,
+    "photo-digits": 12,
 }
 
 

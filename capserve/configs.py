@@ -332,6 +332,17 @@ MODELS: dict[str, ModelConfig] = {
         # has the same size wherever it lies, and without a gate every position votes in full. Training on your own
         # images picks its class_weights from the data (capserve.data.placement), and its class_norm from the task.
         ModelConfig("cifar10-conv", CIFAR10_LABELS, backbone="conv", capsules=_cifar_layers(), activations=True),
+        # cifar10-conv with 16-value vector poses, whose 16×16 transform per pair of types holds as many weights as
+        # the CNN layer in its place: an option for multi-label images, where it learnt more than the 4×4 matrices on
+        # some of the battery's sets and less on others (docs/own-data.md, "Vector poses for multi-label images")
+        ModelConfig(
+            "cifar10-conv-vector",
+            CIFAR10_LABELS,
+            backbone="conv",
+            capsules=_cifar_layers(),
+            activations=True,
+            pose="vector",
+        ),
         ModelConfig("cifar100-resnet", CIFAR100_LABELS, pose_dim=36, capsules=_cifar_layers((20,))),
         ModelConfig("cifar100-simple", CIFAR100_LABELS, backbone="simple", pose_dim=36, capsules=_cifar_layers((20,))),
         ModelConfig("multimnist-matrix", pose="matrix", **_MULTIMNIST),

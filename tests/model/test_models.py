@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from support.models import DEVICE, tiny_input, tiny_model
@@ -28,6 +30,13 @@ def test_list_models_names_the_paper_configurations():
     names = capserve.list_models()
     for name in [*PAPER_PARAMETERS, "multimnist-matrix", "multimnist-vector"]:
         assert name in names
+
+
+def test_the_vector_conv_model_is_the_own_data_default_with_vector_poses():
+    """``--model cifar10-conv-vector`` is what docs/own-data.md measured as ``--set pose='"vector"'`` on the default."""
+    vector, matrix = capserve.get_config("cifar10-conv-vector"), capserve.get_config("cifar10-conv")
+    assert vector.pose == "vector" and vector.pose_dim == matrix.pose_dim
+    assert dataclasses.replace(vector, name=matrix.name, pose=matrix.pose) == matrix
 
 
 def test_unknown_model_lists_the_valid_names():

@@ -9,6 +9,7 @@ test lowers the thresholds so that small float64 steps take that path, and check
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 
 import pytest
@@ -19,7 +20,7 @@ import capserve
 from capserve.evaluate.evaluator import FUSED_MIN_IMAGE_RUNS, predict_batches
 from capserve.routing import fused as kernel
 from capserve.routing.attention import reference_step, routing_step
-from capserve.routing.fused import FUSED_MIN_PARENTS, _fused, fused_block
+from capserve.routing.fused import FUSED_MAX_ROW, FUSED_MIN_PARENTS, _fused, fused_block
 
 needs_compiler = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="torch.compile needs a C++ compiler on CPU"
@@ -80,10 +81,12 @@ def test_float32_fused_step_is_close_to_the_eager_one(fused, monkeypatch):
 
 
 def fuses(name: str) -> bool:
-    """Whether a named config has a conv capsule layer with enough parents to fuse (attention routing only)."""
+    """Whether a named config has a conv capsule layer with enough parents to fuse, and pose rows short enough
+    (attention routing only)."""
     config = capserve.get_config(name)
     wide = any(layer.kind == "conv" and layer.types >= FUSED_MIN_PARENTS for layer in config.capsules)
-    return config.has_routing and config.routing_algorithm == "attention" and wide
+    row = config.pose_dim if config.pose == "vector" else math.isqrt(config.pose_dim)
+    return config.has_routing and config.routing_algorithm == "attention" and wide and row <= FUSED_MAX_ROW
 
 
 FUSING_CONFIGS = [name for name in capserve.list_models() if fuses(name)]
