@@ -31,19 +31,25 @@ from capserve.train.verdict import check_learned, has_learned, mark_not_learned,
 ROOT = Path(__file__).resolve().parents[2]
 
 
+BARS = ("horizontal", "vertical", "diagonal")
+
+
+def draw_bar(pixels: np.ndarray, bar: str, rng: np.random.Generator) -> None:
+    """A 12-pixel bar of ``BARS``, 2 pixels thick, in a bright random colour, anywhere in a 24×24 picture."""
+    (y, x), colour = rng.integers(2, 10, 2), rng.integers(156, 256, 3)
+    for t in range(12):
+        r, c = {"horizontal": (y + 5, x + t), "vertical": (y + t, x + 5), "diagonal": (y + t, x + t)}[bar]
+        pixels[r : r + 2, c : c + 2] = colour
+
+
 def write_orientations(root: Path, per_label: int, rng: np.random.Generator) -> Path:
     """A kind of data no other test uses: a bar in random colours on random colours, horizontal, vertical or
     diagonal, anywhere in the picture."""
-    labels = ("horizontal", "vertical", "diagonal")
-    for kind, label in enumerate(labels):
+    for label in BARS:
         (root / label).mkdir(parents=True)
         for i in range(per_label):
-            bg, fg = rng.integers(0, 100, 3), rng.integers(156, 256, 3)
-            pixels = np.broadcast_to(bg, (24, 24, 3)).copy()
-            y, x = rng.integers(2, 10, 2)
-            for t in range(12):
-                r, c = ((y + 5, x + t), (y + t, x + 5), (y + t, x + t))[kind]
-                pixels[r : r + 2, c : c + 2] = fg
+            pixels = np.broadcast_to(rng.integers(0, 100, 3), (24, 24, 3)).copy()
+            draw_bar(pixels, label, rng)
             Image.fromarray(pixels.astype(np.uint8)).save(root / label / f"{i}.png")
     return root
 
@@ -63,17 +69,13 @@ def test_a_new_kind_of_data_learns_with_the_defaults_alone(tmp_path, capsys):
 def write_bars_csv(root: Path, images: int, rng: np.random.Generator) -> Path:
     """Multi-label data of a kind no other test uses: a CSV naming which of three bars (horizontal, vertical,
     diagonal; at least one) cross a picture of random colours, each bar anywhere."""
-    labels = ("horizontal", "vertical", "diagonal")
     (root / "images").mkdir(parents=True)
     rows = ["image,labels"]
     for i in range(images):
-        shown = [label for label in labels if rng.random() < 0.5] or [labels[int(rng.integers(3))]]
+        shown = [bar for bar in BARS if rng.random() < 0.5] or [BARS[int(rng.integers(3))]]
         pixels = np.broadcast_to(rng.integers(0, 100, 3), (24, 24, 3)).copy()
-        for label in shown:
-            (y, x), colour = rng.integers(2, 10, 2), rng.integers(156, 256, 3)
-            for t in range(12):
-                r, c = {"horizontal": (y + 5, x + t), "vertical": (y + t, x + 5), "diagonal": (y + t, x + t)}[label]
-                pixels[r : r + 2, c : c + 2] = colour
+        for bar in shown:
+            draw_bar(pixels, bar, rng)
         Image.fromarray(pixels.astype(np.uint8)).save(root / "images" / f"{i}.png")
         rows.append(f"images/{i}.png,{' '.join(shown)}")
     (root / "labels.csv").write_text("\n".join(rows) + "\n")
