@@ -109,7 +109,7 @@ def _add_recipe(p: argparse.ArgumentParser) -> None:
         "--batch-size",
         type=int,
         help="global batch size, all processes together (default: 128 for CIFAR "
-        "and DiverseMultiMNIST, 32 for your own images)",
+        "and DiverseMultiMNIST, 32 for your own images, 16 for a capsule network on your own multi-label images)",
     )
     p.add_argument(
         "--optimizer",
@@ -119,7 +119,12 @@ def _add_recipe(p: argparse.ArgumentParser) -> None:
         "DiverseMultiMNIST, the authors' recipe; adamw for your own images), sgd (momentum 0.9), adam, "
         "adamw",
     )
-    p.add_argument("--lr", type=float, help="base learning rate (default: 0.1 for sgd, 1e-3 for adam, 2e-3 for adamw)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        help="base learning rate (default: 0.1 for sgd, 1e-3 for adam, 2e-3 for adamw; half that for a capsule "
+        "network on your own multi-label images, with its batch of 16)",
+    )
     p.add_argument(
         "--capsule-lr-scale",
         type=float,

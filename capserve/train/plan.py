@@ -249,7 +249,9 @@ def load_own_training(
     return Data(manifest.kind, train.to(device), None, val, len(train)), test, own.skipped
 
 
-def recipe_reasons(given: TrainConfig, cfg: TrainConfig, own: bool, resume: str | Path | None) -> dict[str, str]:
+def recipe_reasons(
+    given: TrainConfig, cfg: TrainConfig, own: bool, multi_label_capsules: bool, resume: str | Path | None
+) -> dict[str, str]:
     """Why the optimizer, schedule and batch size of ``cfg`` (``given``, resolved) are what they are."""
     if resume is not None:
         return dict.fromkeys(
@@ -266,10 +268,11 @@ def recipe_reasons(given: TrainConfig, cfg: TrainConfig, own: bool, resume: str 
             RESUMED,
         )
     data = "your own images" if own else "the built-in data sets"
+    batch = "a capsule network on your own multi-label images" if multi_label_capsules else data
     return {
         "optimizer": "given" if given.optimizer != "auto" else f"the default for {data}",
         "schedule": "given" if given.schedule is not None else f"the default for {data}",
-        "batch_size": "given" if given.batch_size is not None else f"the default for {data}",
+        "batch_size": "given" if given.batch_size is not None else f"the default for {batch}",
         "capsule_lr_scale": "given" if given.capsule_lr_scale is not None else f"the default for {data}",
         "backbone_loss": "given" if given.backbone_loss is not None else f"the default for {data}",
     }
@@ -441,7 +444,9 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
     nothing built yet. A ``--data`` or ``--init`` that cannot work fails before the run folder exists."""
     check_data_exists(cfg.data)  # before the run folder exists: a typo leaves nothing behind
     given, manifest = cfg, read_manifest(cfg)
-    cfg = resolve_recipe(cfg, own_data=manifest is not None)  # recorded in train_config.json as resolved
+    multi_label = manifest is not None and manifest.task == "multi_label"
+    multi_label_capsules = multi_label and get_config(cfg.model, **cfg.overrides).has_routing
+    cfg = resolve_recipe(cfg, manifest is not None, multi_label_capsules)  # recorded in train_config.json as resolved
     if cfg.batch_size % d.world:
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes {d.world}")
     cfg, norm_reason = class_norm(cfg, manifest, resume)
@@ -450,7 +455,7 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
     dataset = config.extra["data"]["dataset"]
     if cfg.init and resume is None:
         check_init(cfg.init, config.labels, cfg.label_map)
-    reasons = recipe_reasons(given, cfg, manifest is not None, resume)
+    reasons = recipe_reasons(given, cfg, manifest is not None, multi_label_capsules, resume)
     cfg, no_backbone_loss = backbone_loss(cfg, config, given)
     reasons["backbone_loss"] = no_backbone_loss or reasons["backbone_loss"]
     cfg, reasons["label_smoothing"] = label_smoothing(cfg, config, manifest is not None, resume)

@@ -24,7 +24,7 @@ from capserve.model.backbones import BasicBlock
 from capserve.model.capsnet import CapsNet
 from capserve.routing.losses import training_loss
 from capserve.train.backbone_loss import BackboneClassifier
-from capserve.train.config import TrainConfig, read_resume_config, resolve_recipe
+from capserve.train.config import DEFAULT_LR, TrainConfig, read_resume_config, resolve_recipe
 from capserve.train.distributed import Dist
 from capserve.train.loop import train
 from capserve.train.optimizer import make_optimizer
@@ -370,6 +370,32 @@ def test_the_class_capsules_share_one_layernorm_where_one_label_answers(marks, t
     plan = plan_run(own_config(marks, tmp_path / "given", overrides=given), None, dist, cpu)
     assert plan.config.class_norm == "per_class" and plan.reasons["class_norm"] == "given"
     assert single.build_model().capsules[-1].norm.weight.shape == (len(single.config.labels), 16)
+
+
+def test_a_capsule_network_on_own_multi_label_images_takes_a_batch_of_16_at_half_the_lr(marks, tmp_path):
+    """Without --batch-size, a capsule network on a user's multi-label images trains at batch 16 and half the
+    optimizer's lr (the same step per image), and says why; the CNN baseline there, and any run on single-label
+    images, at 32 and the optimizer's lr (the batch fitted to fewer images); a given batch or lr wins; the built-in
+    multi-label set keeps the paper's 128."""
+    cpu, dist = torch.device("cpu"), Dist()
+    rows = ["image,labels"] + [
+        f"{p.relative_to(marks.parent)},{p.parent.name} x{i % 2}" for i, p in enumerate(marks.rglob("*.png"))
+    ]
+    csv = marks.parent / "multi.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    capsules = plan_run(own_config(csv, tmp_path / "capsules"), None, dist, cpu)
+    assert (capsules.cfg.batch_size, capsules.cfg.lr) == (16, DEFAULT_LR["adamw"] / 2)
+    assert capsules.reasons["batch_size"] == "the default for a capsule network on your own multi-label images"
+    cnn = own_config(csv, tmp_path / "cnn", model="cifar10-conv-cnn", overrides=tiny_overrides("cifar10-conv-cnn"))
+    single = own_config(marks, tmp_path / "single")
+    for other in (cnn, single):  # the default 32 fitted to the few images
+        plan = plan_run(other, None, dist, cpu)
+        assert plan.reasons["batch_size"].endswith("(fewer than the default 32)")
+        assert plan.cfg.lr == DEFAULT_LR["adamw"]
+    given = plan_run(own_config(csv, tmp_path / "given", batch_size=8, lr=3e-3), None, dist, cpu)
+    assert (given.cfg.batch_size, given.cfg.lr, given.reasons["batch_size"]) == (8, 3e-3, "given")
+    builtin = resolve_recipe(own_config(marks, tmp_path / "builtin"), own_data=False, multi_label_capsules=True)
+    assert (builtin.batch_size, builtin.lr) == (128, DEFAULT_LR["sgd"])
 
 
 def test_a_new_run_on_own_images_puts_residual_blocks_in_front_of_the_capsules(marks, tmp_path):
