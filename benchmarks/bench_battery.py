@@ -63,6 +63,7 @@ EPOCHS = {
     "counts": 5,
     "turned-photos": 6,
     "photo-digits": 12,
+    "texture-tiles": 4,
 }
 
 
