@@ -525,7 +525,8 @@ BATTERY: dict[str, tuple[Callable[[Path, Path, np.random.Generator], None], str]
     "counts": (counts, "."),
     # held out, fifth round: built after label smoothing was fixed, and used for nothing else
     "turned-photos": (turned_photos, "."),
-    # held out, sixth round: built to test vector poses for multi-label data once chosen, and used for nothing else
+    # held out, sixth round: built to test vector poses for multi-label data once chosen; it then tested the batch of
+    # 16 for multi-label capsules, and its runs suggested the half lr that goes with it
     "photo-digits": (photo_digits, "labels.csv"),
     # held out, seventh round: built after the batch of 16 at half the lr for multi-label capsules was fixed, and used
     # for nothing else
