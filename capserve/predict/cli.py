@@ -183,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
     elif out is not None and out.exists() and not args.resume:
         raise UsageError(f"--out {out} exists: give --resume to continue it, or another file")
     paths = (p for p in expand(args.sources) if p not in skip)
+    # a file this run creates goes again if it answers nothing, so that it does not block the next run
+    new_out = out if out is not None and not out.exists() else None
     images = failures = 0
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -197,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
             if (i + 1) % args.batch_size == 0:
                 stream.flush()
     seconds = time.perf_counter() - start
+    if new_out is not None and not images:
+        new_out.unlink()
     print(
         f"capserve predict: {images} images, {failures} failed, {images / max(seconds, 1e-9):.1f} images/s"
         + (f" ({len(skip)} skipped: already in {out})" if skip else ""),

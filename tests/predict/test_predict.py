@@ -127,6 +127,16 @@ def test_bad_files_are_rows_and_the_exit_status_counts_them(folder, tmp_path, ca
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_a_run_that_finds_no_image_leaves_no_out_file(folder, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["predict", CIFAR10, "-", "--out", str(out)]) == 1  # a list that names no image
+    assert "the sources hold no image" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["predict", CIFAR10, str(folder / "a"), "--out", str(out)]) == 0  # the corrected run is not refused
+    assert len(rows(out)) == 5
+
+
 def test_resume_after_a_cut_row_gives_each_image_one_row(folder, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     assert main(["predict", CIFAR10, str(folder), "--out", str(out)]) == 0
