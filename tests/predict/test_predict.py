@@ -134,6 +134,7 @@ def test_a_run_that_finds_no_image_leaves_no_out_file(folder, tmp_path, capsys, 
     assert "the sources hold no image" in capsys.readouterr().err
     assert not out.exists()
     assert main(["predict", CIFAR10, str(folder / "a"), "--out", str(out)]) == 0  # the corrected run is not refused
+    assert main(["predict", CIFAR10, str(folder / "a"), "--out", str(out), "--resume"]) == 0  # nothing left to answer
     assert len(rows(out)) == 5
 
 
