@@ -64,6 +64,7 @@ EPOCHS = {
     "turned-photos": 6,
     "photo-digits": 12,
     "texture-tiles": 4,
+    "photo-blend": 6,
 }
 
 
