@@ -559,7 +559,7 @@ BATTERY: dict[str, tuple[Callable[[Path, Path, np.random.Generator], None], str]
     # for nothing else
     "texture-tiles": (texture_tiles, "labels.csv"),
     # held out, eighth round: built to test shared class transforms for multi-label data, once overlap had suggested
-    # them, and used for nothing else
+    # them; no default was chosen on it
     "photo-blend": (photo_blend, "labels.csv"),
 }
 

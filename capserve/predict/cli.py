@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     elif out is not None and out.exists() and not args.resume:
         raise UsageError(f"--out {out} exists: give --resume to continue it, or another file")
     paths = (p for p in expand(args.sources) if p not in skip)
-    # a file this run creates goes again if it answers nothing, so that it does not block the next run
+    # a file this run creates is removed again if it answers nothing, so that it does not block the next run
     new_out = out if out is not None and not out.exists() else None
     images = failures = 0
     start = time.perf_counter()
