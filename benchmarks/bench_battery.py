@@ -65,6 +65,7 @@ EPOCHS = {
     "photo-digits": 12,
     "texture-tiles": 4,
     "photo-blend": 6,
+    "letter-blend": 8,
 }
 
 

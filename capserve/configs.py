@@ -333,8 +333,8 @@ MODELS: dict[str, ModelConfig] = {
         # images picks its class_weights from the data (capserve.data.placement), and its class_norm from the task.
         ModelConfig("cifar10-conv", CIFAR10_LABELS, backbone="conv", capsules=_cifar_layers(), activations=True),
         # cifar10-conv with 16-value vector poses, whose 16×16 transform per pair of types holds as many weights as
-        # the CNN layer in its place: an option for multi-label images, where it learnt more than the 4×4 matrices on
-        # some of the battery's sets and less on others (docs/own-data.md, "Vector poses for multi-label images")
+        # the CNN layer in its place: what a run on multi-label images whose labels follow where things lie takes
+        # (capserve.train.class_layer), an option elsewhere (docs/own-data.md, "Vector poses for multi-label images")
         ModelConfig(
             "cifar10-conv-vector",
             CIFAR10_LABELS,

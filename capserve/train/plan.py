@@ -22,13 +22,13 @@ from capserve.data.augment import augment_reason, default_augment
 from capserve.data.builtin import Data, dataset_for, load_training
 from capserve.data.cache import CACHE_FILE, build_cache
 from capserve.data.own import InputSize, Manifest, check_data_exists, check_training, is_own_data, scan, with_validation
-from capserve.data.placement import measure_placement
 from capserve.data.preprocess import data_mean_std
 from capserve.data.splits import Split
 from capserve.files import write_whole
 from capserve.model.factory import Model, build_model
 from capserve.routing.attention import cross_entropy_loss
 from capserve.routing.losses import training_loss
+from capserve.train.class_layer import choose_class_layer, chooses_class_weights
 from capserve.train.config import (
     AUTO_BACKBONE_LOSS_GRID,
     AUTO_LABEL_SMOOTHING,
@@ -45,7 +45,6 @@ __all__ = [
     "TRAIN_CONFIG",
     "Plan",
     "backbone_depth",
-    "chooses_class_weights",
     "class_norm",
     "label_smoothing",
     "model_config",
@@ -188,24 +187,6 @@ def backbone_depth(cfg: TrainConfig, manifest: Manifest | None, resume: str | Pa
     return dataclasses.replace(cfg, overrides={**cfg.overrides, **OWN_BACKBONE}), why
 
 
-# a user's class transforms per position, shared within each cell of this grid over the class layer's children
-OWN_CLASS_GRID = 2
-
-
-def chooses_class_weights(cfg: TrainConfig, config: ModelConfig, resume: str | Path | None) -> bool:
-    """Whether a run picks its class capsule transforms from its data (``capserve.data.placement``): a new run from
-    scratch on a user's images, of an attention capsule model whose class layer reads a grid, without
-    ``--set class_weights=...`` or ``class_grid=...``."""
-    return (
-        resume is None
-        and not cfg.init
-        and not {"class_weights", "class_grid"} & cfg.overrides.keys()
-        and config.has_routing
-        and config.routing_algorithm == "attention"
-        and (not config.capsules or config.capsules[-1].kind == "conv")
-    )
-
-
 def read_manifest(cfg: TrainConfig) -> Manifest | None:
     """A user's data with its validation split (carved from its training images when it names none); None for the
     built-in data sets."""
@@ -343,6 +324,8 @@ def backbone_loss_grid(cfg: TrainConfig, config: ModelConfig, resume: str | Path
         return cfg, "given"
     grid = min(AUTO_BACKBONE_LOSS_GRID[config.class_weights], config.feature_size)
     where = "per position" if config.class_weights == "per_position" else "shared"
+    if config.class_weights == "per_position" and config.class_grid == 1:
+        where += " in one cell, one per type wherever it lies"
     return dataclasses.replace(cfg, backbone_loss_grid=grid), f"the class layer's transforms are {where}"
 
 
@@ -361,25 +344,18 @@ def fit_batch(cfg: TrainConfig, data: Data, given: bool, d: Dist) -> tuple[Train
 def from_the_images(
     cfg: TrainConfig, manifest: Manifest, train: Split, resume: str | Path | None, d: Dist
 ) -> tuple[TrainConfig, ModelConfig, dict[str, str]]:
-    """The choices a user's decoded training images make: the class capsule transforms (a new run from scratch of a
-    model that can take either; per position, they are shared within the cells of an ``OWN_CLASS_GRID`` grid: docs/
-    own-data.md, "The class transforms per cell") and the mean/std (unless ``--init`` keeps its own)."""
+    """The choices a user's decoded training images make: the class capsule layer (a new run from scratch of a model
+    that can take either: ``capserve.train.class_layer``) and the mean/std (unless ``--init`` keeps its own)."""
     reasons: dict[str, str] = {}
     config = model_config(cfg, manifest)
     if chooses_class_weights(cfg, config, resume):
-        placement = measure_placement(train.images, train.targets, cfg.seed)
-        chosen: dict[str, str | int] = {"class_weights": placement.class_weights}
-        reasons["class_weights"] = placement.reason()
-        if placement.class_weights == "per_position":
-            side = config.spatial_sizes[-1]
-            chosen["class_grid"] = grid = min(OWN_CLASS_GRID, side)
-            reasons["class_weights"] += (
-                f"; one per type in each cell of a {grid}×{grid} grid over the class layer's {side}×{side} children"
-            )
+        side = config.spatial_sizes[-1]
+        chosen, found = choose_class_layer(train.images, train.targets, manifest.task, side, cfg.overrides, cfg.seed)
+        reasons.update(found)
         # recorded in train_config.json's overrides, so that --resume rebuilds the same model
         cfg = dataclasses.replace(cfg, overrides={**cfg.overrides, **chosen})
         if d.main:
-            log.info("class capsule transforms: %s (%s)", placement.class_weights, reasons["class_weights"])
+            log.info("class capsule transforms: %s (%s)", chosen["class_weights"], reasons["class_weights"])
     config = model_config(cfg, manifest)
     if not cfg.init:  # --init keeps the mean/std its weights were trained with
         config = dataclasses.replace(config, **data_mean_std(train.images))
@@ -434,6 +410,7 @@ def log_choices(plan: Plan, d: Dist) -> None:
         blocks = f" + {n} residual block{'s' * (n > 1)}" if n else ""
         log.info("backbone: %d conv layers%s (%s)", config.backbone_layers, blocks, plan.reasons["backbone_depth"])
     if config.has_routing and d.main:
+        log.info("capsule poses: %s (%s)", config.pose, plan.reasons["pose"])
         log.info("class capsule norm: %s (%s)", config.class_norm, plan.reasons["class_norm"])
     if plan.manifest is not None and not cfg.init:
         log.info("mean/std from the %d training images: %s / %s", len(plan.data.train), config.mean, config.std)
@@ -479,6 +456,9 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
     reasons.setdefault("augment", "given")
     given_weights = {"class_weights", "class_grid"} & cfg.overrides.keys()
     reasons.setdefault("class_weights", "given" if given_weights else "the model config's")
+    reasons.setdefault(
+        "pose", RESUMED if resume is not None else "given" if "pose" in given.overrides else "the model config's"
+    )
     reasons["class_norm"] = norm_reason
     reasons["backbone_depth"] = depth_reason
     cfg, reasons["backbone_loss_grid"] = backbone_loss_grid(cfg, config, resume)

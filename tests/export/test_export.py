@@ -112,10 +112,14 @@ def test_onnxruntime_matches_eager(exports, name, T):
             assert onnx_error <= max(atol, 1.5 * eager_error), f"{name} T={T} B={B}: {diff=:.2e} {eager_error=:.2e}"
 
 
-@pytest.mark.parametrize("overrides", [{"class_weights": "shared"}, {"class_grid": 2}], ids=["shared", "cells"])
+OWN_CLASS_LAYERS = [{"class_weights": "shared"}, {"class_grid": 2}, {"class_grid": 1, "pose": "vector"}]
+
+
+@pytest.mark.parametrize("overrides", OWN_CLASS_LAYERS, ids=["shared", "cells", "vector-one-cell"])
 def test_the_own_data_class_layers_export_like_eager(tmp_path, overrides):
     """The own-data defaults' class layers, with gated children: transforms shared by every position (objects
-    anywhere), or one per cell of a 2×2 grid, each position's gathered from its cell's (labels that follow place)."""
+    anywhere), one per cell of a 2×2 grid, each position's gathered from its cell's (single labels that follow place),
+    or vector poses with one cell (several labels that follow place)."""
     model = tiny_model("cifar10-conv", **overrides)
     assert model.config.activations
     model.save(tmp_path / "model")

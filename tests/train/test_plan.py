@@ -40,6 +40,7 @@ REASONS = {
     "label_smoothing",
     "augment",
     "class_weights",
+    "pose",
     "class_norm",
     "backbone_depth",
     "mean_std",
@@ -449,6 +450,45 @@ def test_class_transforms_per_position_are_shared_within_the_cells_of_a_2x2_grid
     anywhere = write_marks(tmp_path / "anywhere", 10, np.random.default_rng(0), placed=True)
     plan = plan_run(own_config(anywhere, tmp_path / "anywhere-run"), None, dist, cpu)
     assert (plan.config.class_weights, plan.config.class_grid) == ("shared", None)
+
+
+def test_multi_label_images_whose_labels_follow_where_things_lie_take_vector_poses_and_shared_class_transforms(
+    tmp_path,
+):
+    """Where several labels may answer and they follow where things lie, a new capsule run takes vector poses and
+    one class transform per type wherever it lies (the backbone classifier keeps the 4×4 grid of such labels),
+    records both with the reason, and ``--resume`` rebuilds that model; ``--set pose='"matrix"'`` keeps matrices
+    with transforms per cell; single-label images, and labels that do not follow where things lie, keep matrices."""
+    cpu, dist = torch.device("cpu"), Dist()
+    centred = write_marks(tmp_path / "centred", 10, np.random.default_rng(1), placed=False)
+    anywhere = write_marks(tmp_path / "anywhere", 10, np.random.default_rng(0), placed=True)
+    csvs = {}
+    for name, folder in (("centred", centred), ("anywhere", anywhere)):
+        rows = ["image,labels"] + [f"{p.relative_to(tmp_path)},{p.parent.name}" for p in folder.rglob("*.png")]
+        csvs[name] = tmp_path / f"{name}.csv"
+        csvs[name].write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    train(own_config(csvs["centred"], out, epochs=2, max_steps=1))
+    record = json.loads((out / "train_config.json").read_text())
+    chosen = {k: record["overrides"][k] for k in ("class_weights", "class_grid", "pose")}
+    assert chosen == {"class_weights": "per_position", "class_grid": 1, "pose": "vector"}
+    assert record["reasons"]["pose"].startswith("several labels answer and they follow where things lie")
+    assert (record["backbone_loss_grid"], record["reasons"]["backbone_loss_grid"]) == (
+        4,
+        "the class layer's transforms are per position in one cell, one per type wherever it lies",
+    )
+    config = capserve.read_config(out / "last")
+    assert (config.pose, config.class_grid) == ("vector", 1)
+    train(read_resume_config(out), resume=out)
+    assert capserve.read_config(out / "last").pose == "vector"
+    matrices = {**tiny_overrides("cifar10-conv"), "pose": "matrix"}
+    given = plan_run(own_config(csvs["centred"], tmp_path / "given", overrides=matrices), None, dist, cpu)
+    assert (given.config.pose, given.config.class_weights, given.config.class_grid) == ("matrix", "per_position", 2)
+    assert given.reasons["pose"] == "given"
+    for data, weights in ((centred, "per_position"), (csvs["anywhere"], "shared")):
+        plan = plan_run(own_config(data, tmp_path / f"{data.stem}-plan"), None, dist, cpu)
+        assert (plan.config.pose, plan.config.class_weights) == ("matrix", weights)
+        assert plan.reasons["pose"] == "the model config's"
 
 
 def test_a_resumed_run_rebuilds_its_model_and_one_recorded_before_the_own_images_choices_its_first_one(marks, tmp_path):
