@@ -1,5 +1,5 @@
-"""The own-data battery's data sets: twenty kinds of images the tests and the other benchmarks never use, built from
-what a machine without a network has (the MNIST and CIFAR-10 files, the DejaVu fonts, drawn shapes and textures).
+"""The own-data battery's data sets: twenty-three kinds of images the tests and the other benchmarks never use, built
+from what a machine without a network has (the MNIST and CIFAR-10 files, the DejaVu fonts, drawn shapes and textures).
 
 Each builder writes a data set as a user would hand it to ``capserve train --data``: a folder of label folders with
 ``train/`` and ``test/`` (single-label), or a CSV ``image,labels,split`` (multi-label). Everything is seeded.
@@ -26,14 +26,18 @@ Each builder writes a data set as a user would hand it to ``capserve train --dat
 | photo-digits | colour, multi-label, clutter | 6 | 3,000 | 48 | 1-2 MNIST digits in colour on a CIFAR-10 photo |
 | texture-tiles | colour, multi-label | 6 | 2,000 | 64 | 1-3 procedural textures in a 2×2 grid, the other tiles empty |
 | photo-blend | colour photos, multi-label | 5 | 2,400 | 32 | two CIFAR-10 photos of two classes laid over each other |
+| letter-blend | colour, multi-label | 8 | 2,400 | 32 | two capital letters drawn over each other (unseen fonts) |
+| few-photos | colour photos, single, few images | 10 | 300 | 32 | the ten CIFAR-10 classes, 30 photos a class |
+| turned-classes | colour photos, single, many classes | 40 | 1,800 | 32 | a CIFAR-10 class and which way up |
 
-The last twelve are held out: built after the own-data defaults were chosen on the first eight (numbers and
+The last fifteen are held out: built after the own-data defaults were chosen on the first eight (numbers and
 letter-tiles after the first eleven had been run with them; photo-tiles and phone-photos after the measurements of
 docs/own-data.md's "Capsules beside the CNN"; counts after the class transforms per cell, then used to measure label
 smoothing; turned-photos after label smoothing, and used for nothing else; photo-digits to test vector poses as the
 default for multi-label data, once they had been chosen on the other four, then the batch of 16; texture-tiles after
 that batch, and used for nothing else; photo-blend to test shared class transforms for multi-label data, once overlap
-had suggested them).
+had suggested them; letter-blend to test vector poses with shared class transforms, once overlap had suggested them;
+few-photos and turned-classes to test a recipe for many classes from few images, once numbers had suggested it).
 """
 
 from __future__ import annotations
@@ -417,6 +421,28 @@ def turned_photos(root: Path, data: Path, rng: np.random.Generator) -> None:
                 _save_folder(root, split, name, int(i), Image.fromarray(turned))
 
 
+def few_photos(root: Path, data: Path, rng: np.random.Generator) -> None:
+    """The ten CIFAR-10 classes from few pictures, as a user with a phone's worth of each kind has them: 30 training
+    photos a class from CIFAR-10's training split and 100 a class from its test split."""
+    for split, train, start, per in (("train", True, 4_500, 30), ("test", False, 500, 100)):
+        images, labels = _cifar_split(data, train)
+        for c, name in enumerate(CIFAR10_LABELS):
+            for i in np.flatnonzero(labels == c)[start : start + per]:
+                _save_folder(root, split, name, int(i), Image.fromarray(images[i]))
+
+
+def turned_classes(root: Path, data: Path, rng: np.random.Generator) -> None:
+    """40 classes, each CIFAR-10 class the right way up or turned by 90, 180 or 270 degrees ("cat-90"): many classes
+    from few pictures, 45 training and 20 test photos a class, none that turned-photos uses."""
+    for split, train, per, skip in (("train", True, 180, 4_300), ("test", False, 80, 600)):
+        images, labels = _cifar_split(data, train)
+        for c, name in enumerate(CIFAR10_LABELS):
+            for k, i in enumerate(np.flatnonzero(labels == c)[skip : skip + per]):
+                turns = k % 4
+                turned = np.ascontiguousarray(np.rot90(images[i], k=turns))
+                _save_folder(root, split, f"{name}-{90 * turns}", int(i), Image.fromarray(turned))
+
+
 def counts(root: Path, data: Path, rng: np.random.Generator) -> None:
     """How many things there are: one to five shapes (any of the five kinds, mixed, none touching), each in its own
     random colour and size (7-13 px), anywhere on a 48×48 canvas of one random colour crossed by thin lines."""
@@ -598,6 +624,10 @@ BATTERY: dict[str, tuple[Callable[[Path, Path, np.random.Generator], None], str]
     # held out, ninth round: built to test vector poses with shared class transforms on multi-label data whose labels
     # follow where things lie, once overlap and photo-blend had suggested them
     "letter-blend": (letter_blend, "labels.csv"),
+    # held out, tenth round: built to check a recipe for many classes from few images once numbers had suggested it,
+    # their epochs set by the yardstick alone
+    "few-photos": (few_photos, "."),
+    "turned-classes": (turned_classes, "."),
 }
 
 

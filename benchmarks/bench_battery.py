@@ -66,6 +66,8 @@ EPOCHS = {
     "texture-tiles": 4,
     "photo-blend": 6,
     "letter-blend": 8,
+    "few-photos": 20,
+    "turned-classes": 6,
 }
 
 

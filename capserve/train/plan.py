@@ -38,6 +38,7 @@ from capserve.train.config import (
     resolve_recipe,
 )
 from capserve.train.distributed import Dist
+from capserve.train.few_images import few_images
 from capserve.train.state import check_init
 
 __all__ = [
@@ -401,6 +402,8 @@ def log_choices(plan: Plan, d: Dist) -> None:
                 ADAM_LR_WARNING,
                 DEFAULT_LR[cfg.optimizer],
             )
+    if "few_images" in plan.reasons and d.main:
+        log.info("many classes from few images: %s (docs/own-data.md)", plan.reasons["few_images"])
     if "stem_pool" in plan.reasons and d.main:
         log.info("stem: %s", plan.reasons["stem_pool"])
     if "init_classes" in plan.reasons and d.main:
@@ -436,6 +439,11 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
     cfg, no_backbone_loss = backbone_loss(cfg, config, given)
     reasons["backbone_loss"] = no_backbone_loss or reasons["backbone_loss"]
     cfg, reasons["label_smoothing"] = label_smoothing(cfg, config, manifest is not None, resume)
+    cfg, few = few_images(cfg, given, manifest, resume)
+    if few:
+        config = model_config(cfg, manifest)
+        depth_reason = few.pop("backbone_depth", depth_reason)
+        reasons.update(few)
     out = Path(cfg.out)
     if d.main:
         out.mkdir(parents=True, exist_ok=True)

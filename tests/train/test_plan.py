@@ -539,3 +539,65 @@ def test_a_run_on_many_classes_starts_its_class_transforms_at_ten_classes_scale(
     overrides = {**tiny_overrides("cifar10-conv"), "init_classes": 12}
     given = own_config(tmp_path / "many", tmp_path / "b", val_size=0, overrides=overrides)
     assert plan_run(given, None, Dist(), cpu).config.init_classes == 12
+
+
+def write_classes(root: Path, classes: int, per_class: int) -> Path:
+    """A folder of ``classes`` label folders with ``per_class`` small noise pictures each."""
+    rng = np.random.default_rng(0)
+    for label in range(classes):
+        folder = root / f"c{label:03d}"
+        folder.mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+def test_many_classes_from_few_images_train_with_more_decay_smoothing_and_depth(tmp_path):
+    """More than 10 labels with fewer than 64 training images each: a new capsule run takes weight decay 0.5, label
+    smoothing 0.2 and four residual blocks after three conv layers, each recorded with why; what the user gives
+    stays, and 10 labels, 64 images a label, multi-label images and a CNN keep the usual choices."""
+    cpu, dist = torch.device("cpu"), Dist()
+    few = write_classes(tmp_path / "few", 11, 63)
+    plan = plan_run(own_config(few, tmp_path / "a", val_size=0), None, dist, cpu)
+    assert (plan.cfg.weight_decay, plan.cfg.label_smoothing, plan.config.backbone_blocks) == (0.5, 0.2, 4)
+    assert plan.config.backbone_layers == 3
+    assert plan.reasons["few_images"] == "11 classes from 63 training images a class"
+    assert plan.reasons["label_smoothing"] == plan.reasons["weight_decay"] == plan.reasons["few_images"]
+    assert plan.reasons["backbone_depth"].startswith(plan.reasons["few_images"])
+    assert sum(isinstance(m, BasicBlock) for m in plan.build_model().backbone) == 4
+    plan.record(tmp_path / "a")
+    recorded = json.loads((tmp_path / "a" / "train_config.json").read_text())
+    assert (recorded["weight_decay"], recorded["label_smoothing"], recorded["overrides"]["backbone_blocks"]) == (
+        0.5,
+        0.2,
+        4,
+    )
+    assert recorded["reasons"]["few_images"] == plan.reasons["few_images"]
+
+    given = own_config(
+        few,
+        tmp_path / "given",
+        val_size=0,
+        weight_decay=0.01,
+        label_smoothing=0.05,
+        overrides={**tiny_overrides("cifar10-conv"), "backbone_blocks": 1},
+    )
+    plan = plan_run(given, None, dist, cpu)
+    assert (plan.cfg.weight_decay, plan.cfg.label_smoothing, plan.config.backbone_blocks) == (0.01, 0.05, 1)
+    assert plan.reasons["label_smoothing"] == plan.reasons["backbone_depth"] == "given"
+
+    usual = (0.05, 0.1, 2)
+    for name, classes, per_class in (("ten", 10, 3), ("enough", 11, 64)):
+        data = write_classes(tmp_path / name, classes, per_class)
+        plan = plan_run(own_config(data, tmp_path / f"run-{name}", val_size=0), None, dist, cpu)
+        assert (plan.cfg.weight_decay, plan.cfg.label_smoothing, plan.config.backbone_blocks) == usual
+        assert "few_images" not in plan.reasons
+    rows = ["image,labels"]
+    for i, path in enumerate(sorted(few.glob("*/*.png"))[:120]):
+        rows.append(f"{path.relative_to(tmp_path).as_posix()},c{i % 11} c{(i + 1) % 11}")
+    (tmp_path / "multi.csv").write_text("\n".join(rows) + "\n")
+    plan = plan_run(own_config(tmp_path / "multi.csv", tmp_path / "run-multi", val_size=0), None, dist, cpu)
+    assert plan.cfg.weight_decay != 0.5 and plan.config.backbone_blocks == 2 and "few_images" not in plan.reasons
+    cnn = own_config(few, tmp_path / "cnn", val_size=0, model="cifar10-conv-cnn", overrides={})
+    plan = plan_run(dataclasses.replace(cnn, overrides=tiny_overrides("cifar10-conv-cnn")), None, dist, cpu)
+    assert (plan.cfg.weight_decay, plan.cfg.label_smoothing, plan.config.backbone_blocks) == (0.05, 0.0, 0)
