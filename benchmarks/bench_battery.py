@@ -68,6 +68,9 @@ EPOCHS = {
     "letter-blend": 8,
     "few-photos": 20,
     "turned-classes": 6,
+    "few-grey-photos": 20,
+    "few-counts": 40,
+    "few-placed-photos": 20,
 }
 
 

@@ -113,6 +113,15 @@ def explained_share(maps: Tensor, targets: Tensor) -> float:
     return (between / total.clamp_min(1e-12)).item() / labels
 
 
+def above_chance(maps: Tensor, targets: Tensor, generator: torch.Generator) -> tuple[float, float]:
+    """η² of ``targets`` in ``maps`` less its chance level, and that chance level: the mean η² of ``SHUFFLES``
+    permutations of the targets (drawn from ``generator``)."""
+    shuffled = sum(
+        explained_share(maps, targets[torch.randperm(len(targets), generator=generator)]) for _ in range(SHUFFLES)
+    )
+    return explained_share(maps, targets) - shuffled / SHUFFLES, shuffled / SHUFFLES
+
+
 def measure_placement(images: Tensor, targets: Tensor, seed: int = 0) -> Placement:
     """How far the labels of ``images`` (N, C, H, W) follow where things lie: their η² above chance in the edges'
     positions, and in the edges' shift-free spectrum.
@@ -121,13 +130,6 @@ def measure_placement(images: Tensor, targets: Tensor, seed: int = 0) -> Placeme
         targets: (N,) class indices, or (N, C) multi-hot.
     """
     generator = torch.Generator().manual_seed(seed)
-
-    def above_chance(maps: Tensor) -> tuple[float, float]:
-        shuffled = sum(
-            explained_share(maps, targets[torch.randperm(len(targets), generator=generator)]) for _ in range(SHUFFLES)
-        )
-        return explained_share(maps, targets) - shuffled / SHUFFLES, shuffled / SHUFFLES
-
-    in_place, in_place_chance = above_chance(edge_maps(images))
-    shift_free, shift_free_chance = above_chance(spectrum_maps(images))
+    in_place, in_place_chance = above_chance(edge_maps(images), targets, generator)
+    shift_free, shift_free_chance = above_chance(spectrum_maps(images), targets, generator)
     return Placement(in_place, shift_free, in_place_chance, shift_free_chance)

@@ -1,10 +1,15 @@
-"""The recipe for many classes from few pictures: a capsule network that learns more than ``MANY_CLASSES`` classes of a
-user's single-label images from fewer than ``FEW_IMAGES_A_CLASS`` pictures each trains with a stronger weight decay,
-stronger label smoothing and a deeper backbone (``FEW_IMAGES``).
+"""The recipes for few pictures a class. A capsule network that learns more than ``MANY_CLASSES`` classes of a user's
+single-label images from fewer than ``FEW_IMAGES_A_CLASS`` pictures each trains with a stronger weight decay,
+stronger label smoothing and a deeper backbone (``FEW_IMAGES``). One that learns from fewer than
+``FEW_IMAGES_A_CLASS`` pictures a class of things in their place (``capserve.data.placement``: photographs framed on
+their subject) whose labels survive a mirror (``capserve.data.mirror``) shifts and mirrors them (``crop-flip``),
+whatever the class count.
 
 There the class layer holds one set of transforms per class, each learnt from a handful of pictures, and the capsule
-runs fit their training images while their validation score still climbs: docs/own-data.md, "Many classes from few
-images", has the measurements.
+runs fit their training images while their validation score still climbs; a shift and a mirror make new views of a
+framed subject, where things that lie anywhere already show every place, and on a few thousand pictures they only
+slow a short run down. docs/own-data.md, "Many classes from few images" and
+"Few pictures that a mirror keeps", has the measurements.
 """
 
 from __future__ import annotations
@@ -12,11 +17,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from capserve.configs import get_config
+from capserve.configs import ModelConfig, get_config
+from capserve.data.mirror import measure_mirror
 from capserve.data.own import Manifest
+from capserve.data.placement import measure_placement
+from capserve.data.splits import Split
 from capserve.train.config import TrainConfig
 
-__all__ = ["FEW_IMAGES", "FEW_IMAGES_A_CLASS", "MANY_CLASSES", "few_images", "images_a_class"]
+__all__ = ["FEW_IMAGES", "FEW_IMAGES_A_CLASS", "MANY_CLASSES", "few_images", "few_images_augment", "images_a_class"]
 
 # more labels than this, each with fewer training images than FEW_IMAGES_A_CLASS (after validation is carved)
 MANY_CLASSES = 10
@@ -61,3 +69,32 @@ def few_images(
         changes["overrides"] = {**cfg.overrides, **depth}
         reasons["backbone_depth"] = f"{why}: four residual blocks after the three conv layers"
     return dataclasses.replace(cfg, **changes), reasons
+
+
+def few_images_augment(
+    cfg: TrainConfig, config: ModelConfig, manifest: Manifest, train: Split, resume: str | Path | None
+) -> tuple[TrainConfig, dict[str, str]]:
+    """``cfg`` with ``--augment crop-flip`` where a new run from scratch of an attention capsule network, without
+    ``--augment``, learns a user's single-label images from fewer than ``FEW_IMAGES_A_CLASS`` training images a class
+    whose labels follow where things lie and survive a mirror (both measured on ``train``), and why (under
+    ``augment``); with ``none``, and why, where things lie anywhere or a mirror may change the labels."""
+    if cfg.augment is not None or resume is not None or cfg.init or manifest.task != "single_label":
+        return cfg, {}
+    if not config.has_routing or config.routing_algorithm != "attention":
+        return cfg, {}
+    per_class = images_a_class(manifest)
+    if per_class >= FEW_IMAGES_A_CLASS:
+        return cfg, {}
+    placement = measure_placement(train.images, train.targets, cfg.seed)
+    if not placement.aligned:
+        why = f"{per_class:.0f} training images a class, but {placement.reason()}: a shift adds no new view of them"
+        return dataclasses.replace(cfg, augment="none"), {"augment": why}
+    mirror = measure_mirror(train.images, train.targets, cfg.seed)
+    if not mirror.survives:
+        why = f"{per_class:.0f} training images a class, but {mirror.reason()}: a mirrored picture may be another's"
+        return dataclasses.replace(cfg, augment="none"), {"augment": why}
+    why = (
+        f"{per_class:.0f} training images a class, the labels follow where things lie, and {mirror.reason()}: "
+        "shifted and mirrored, they make more"
+    )
+    return dataclasses.replace(cfg, augment="crop-flip"), {"augment": why}

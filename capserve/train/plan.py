@@ -38,7 +38,7 @@ from capserve.train.config import (
     resolve_recipe,
 )
 from capserve.train.distributed import Dist
-from capserve.train.few_images import few_images
+from capserve.train.few_images import few_images, few_images_augment
 from capserve.train.state import check_init
 
 __all__ = [
@@ -454,6 +454,8 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
         data, test_split, skipped = load_own_training(manifest, config, out, d, device)
         cfg, config, found = from_the_images(cfg, manifest, data.train, resume, d)
         reasons.update(found)
+        cfg, mirrored = few_images_augment(cfg, config, manifest, data.train, resume)
+        reasons.update(mirrored)
     else:
         data = load_training(dataset, cfg.data, val_size_of(cfg, own=False), cfg.epoch_size, device)
     cfg, fitted = fit_batch(cfg, data, given.batch_size is not None, d)

@@ -6,23 +6,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
-from support.data import MARKS, mark_pixels, write_marks
+from support.data import MARKS, decoded_training, mark_pixels, write_marks
 
-from capserve.data.cache import build_cache
-from capserve.data.own import InputSize, scan
 from capserve.data.placement import ALIGNED_RATIO, explained_share, measure_placement
-
-
-def decoded(root):
-    manifest = scan(root)
-    train = build_cache(manifest, manifest.labels, InputSize(3, 32), None).splits["train"]
-    return train.images, train.targets
 
 
 def test_marks_in_their_place_keep_a_transform_per_position_and_marks_anywhere_share_one(tmp_path):
     rng = np.random.default_rng(0)
-    aligned = measure_placement(*decoded(write_marks(tmp_path / "aligned", 30, rng, placed=False)))
-    anywhere = measure_placement(*decoded(write_marks(tmp_path / "anywhere", 30, rng, placed=True)))
+    aligned = measure_placement(*decoded_training(write_marks(tmp_path / "aligned", 30, rng, placed=False)))
+    anywhere = measure_placement(*decoded_training(write_marks(tmp_path / "anywhere", 30, rng, placed=True)))
     assert aligned.ratio >= ALIGNED_RATIO > anywhere.ratio
     assert (aligned.class_weights, anywhere.class_weights) == ("per_position", "shared")
     assert "do not follow" in anywhere.reason() and "do not" not in aligned.reason()

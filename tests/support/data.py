@@ -9,7 +9,10 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from torch import Tensor
 
+from capserve.data.cache import build_cache
+from capserve.data.own import InputSize, scan
 from capserve.train.config import TrainConfig
 from support.models import tiny_overrides
 
@@ -117,3 +120,25 @@ def write_marks(root: Path, per_label: int, rng: np.random.Generator, placed: bo
             pixels[y : y + 6, x : x + 6][mask] = 255
             Image.fromarray(pixels).save(root / kind / f"{i}.png")
     return root
+
+
+def write_strokes(root: Path, per_label: int, rng: np.random.Generator, side: int = 24) -> Path:
+    """A folder of two label folders a mirror swaps: a rising diagonal stroke (``rising``, /) or a falling one
+    (``falling``, \\), a third of the side long, near the centre of grey noise."""
+    for label in ("rising", "falling"):
+        (root / label).mkdir(parents=True)
+        for i in range(per_label):
+            pixels = rng.integers(0, 90, (side, side)).astype(np.uint8)
+            y, x = rng.integers(side // 3, side // 3 + 4, 2)
+            steps = np.arange(side // 3)
+            columns = x + (steps if label == "falling" else steps[::-1])
+            pixels[y + steps, columns] = 255
+            Image.fromarray(pixels).save(root / label / f"{i}.png")
+    return root
+
+
+def decoded_training(root: Path) -> tuple[Tensor, Tensor]:
+    """The training images (N, 3, 32, 32) uint8 and targets of the folder ``root``, decoded as a run decodes them."""
+    manifest = scan(root)
+    train = build_cache(manifest, manifest.labels, InputSize(3, 32), None).splits["train"]
+    return train.images, train.targets

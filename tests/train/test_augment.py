@@ -20,6 +20,7 @@ from capserve.data.cache import CACHE_FILE
 from capserve.data.preprocess import data_mean_std
 from capserve.model.checkpoint import save_model
 from capserve.train.config import DEFAULT_WEIGHT_DECAY, TrainConfig, resolve_recipe
+from capserve.train.few_images import FEW_IMAGES_A_CLASS
 from capserve.train.loop import augment, train
 
 SIZE = 16
@@ -124,7 +125,7 @@ def test_training_batches_follow_the_policy():
     "colour, flag, expected", [(False, None, "none"), (True, None, "none"), (False, "shift", "shift")]
 )
 def test_own_data_records_the_policy_and_its_own_mean_std(tmp_path, colour, flag, expected):
-    data = write_digits(tmp_path / "digits", colour=colour)
+    data = write_digits(tmp_path / "digits", 2 * FEW_IMAGES_A_CLASS, colour)  # few a class may take crop-flip
     out = tmp_path / "run"
     summary = train(config(data, out, augment=flag))
     recorded = json.loads((out / "train_config.json").read_text())

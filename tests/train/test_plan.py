@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
-from support.data import write_marks
+from support.data import write_marks, write_strokes
 from support.models import tiny_overrides
 
 import capserve
@@ -601,3 +601,44 @@ def test_many_classes_from_few_images_train_with_more_decay_smoothing_and_depth(
     cnn = own_config(few, tmp_path / "cnn", val_size=0, model="cifar10-conv-cnn", overrides={})
     plan = plan_run(dataclasses.replace(cnn, overrides=tiny_overrides("cifar10-conv-cnn")), None, dist, cpu)
     assert (plan.cfg.weight_decay, plan.cfg.label_smoothing, plan.config.backbone_blocks) == (0.05, 0.0, 0)
+
+
+def test_few_pictures_that_a_mirror_keeps_are_shifted_and_mirrored(tmp_path):
+    """Fewer than 64 training pictures a label of things in their place whose labels survive a mirror: a new capsule
+    run without --augment takes crop-flip, recorded with why; pictures a mirror relabels, things anywhere, 64 a label,
+    a given --augment, a CNN and multi-label images keep the usual none."""
+    cpu, dist, rng = torch.device("cpu"), Dist(), np.random.default_rng(0)
+    marks = write_marks(tmp_path / "marks", 30, rng, placed=False)
+    plan = plan_run(own_config(marks, tmp_path / "a", val_size=0), None, dist, cpu)
+    assert plan.cfg.augment == "crop-flip"
+    assert plan.reasons["augment"].startswith(
+        "30 training images a class, the labels follow where things lie, and the labels survive a mirror"
+    )
+    plan.record(tmp_path / "a")
+    recorded = json.loads((tmp_path / "a" / "train_config.json").read_text())
+    assert (recorded["augment"], recorded["reasons"]["augment"]) == ("crop-flip", plan.reasons["augment"])
+
+    strokes = write_strokes(tmp_path / "strokes", 30, rng)
+    enough = write_marks(tmp_path / "enough", 64, rng, placed=False)
+    anywhere = write_marks(tmp_path / "anywhere", 30, rng, placed=True)
+    for name, data, kw in (
+        ("strokes", strokes, {}),
+        ("anywhere", anywhere, {}),
+        ("enough", enough, {}),
+        ("given", marks, {"augment": "none"}),
+        ("cnn", marks, {"model": "cifar10-simple-cnn", "overrides": {}}),
+    ):
+        plan = plan_run(own_config(data, tmp_path / f"run-{name}", val_size=0, **kw), None, dist, cpu)
+        assert plan.cfg.augment == "none", name
+        assert "labels survive a mirror" not in plan.reasons["augment"], name
+    why = plan_run(own_config(strokes, tmp_path / "why", val_size=0), None, dist, cpu).reasons["augment"]
+    assert why.startswith("30 training images a class, but the labels may not survive a mirror")
+    why = plan_run(own_config(anywhere, tmp_path / "why-anywhere", val_size=0), None, dist, cpu).reasons["augment"]
+    assert why.startswith("30 training images a class, but the labels do not follow where things lie")
+    rows = ["image,labels"] + [
+        f"{path.relative_to(tmp_path).as_posix()},{path.parent.name} extra{i % 2}"
+        for i, path in enumerate(sorted(marks.glob("*/*.png")))
+    ]
+    (tmp_path / "multi.csv").write_text("\n".join(rows) + "\n")
+    plan = plan_run(own_config(tmp_path / "multi.csv", tmp_path / "run-multi", val_size=0), None, dist, cpu)
+    assert plan.cfg.augment == "none"
