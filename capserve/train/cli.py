@@ -90,8 +90,8 @@ def _add_model_and_data(p: argparse.ArgumentParser) -> None:
         help="training augmentation: none, shift (random translation up to 1/8 of the side) or crop-flip "
         "(shift + random mirror, the CIFAR recipe). Default: crop-flip for CIFAR, none for DiverseMultiMNIST and "
         "for your own images (docs/own-data.md says why; give crop-flip for photographs in a long run), but "
-        "crop-flip for a capsule network on fewer than 64 of your images a class whose labels survive a mirror "
-        "(measured); recorded in train_config.json",
+        "crop-flip for a capsule network on fewer than 64 of your images a class whose labels follow where "
+        "things lie and survive a mirror (both measured); recorded in train_config.json",
     )
     p.add_argument(
         "--freeze",
