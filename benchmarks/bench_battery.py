@@ -42,8 +42,8 @@ from capserve.hardware import cpu_info
 from capserve.runtime.outputs import multi_label_decisions
 
 REPO = Path(__file__).resolve().parents[1]
-# short runs, sized for a 2-core CPU (a few minutes per capsule run there); shapes gets 10 because at 4 every learner
-# sat near the prior, and such a row compares nothing
+# short runs, sized for a 2-core CPU (minutes per capsule run there); shapes gets 10 and placed-letters 30
+# because at 4 and 5 every learner sat near the prior, and such a row compares nothing
 EPOCHS = {
     "letters": 5,
     "textures": 10,
@@ -53,7 +53,7 @@ EPOCHS = {
     "glyphs": 3,
     "shapes": 10,
     "overlap": 2,
-    "placed-letters": 5,
+    "placed-letters": 30,
     "arrows": 4,
     "cifar-grey": 4,
     "numbers": 4,
