@@ -71,6 +71,8 @@ EPOCHS = {
     "few-grey-photos": 20,
     "few-counts": 40,
     "few-placed-photos": 20,
+    "placed-symbols": 6,
+    "placed-photos": 10,
 }
 
 

@@ -13,6 +13,11 @@ view, η² is the share of the maps' variance that the labels explain, less what
 is the first over the second: how much of what sets the labels apart depends on where it is. An arrow's direction
 shows in both views (east-pointing arrows spread sideways), but far more in the shift-free one, so a share of
 variance alone would call arrows anywhere "in their place"; the ratio does not.
+
+Where the labels do not follow where things lie, a second figure tells small things anywhere (a letter, a few shapes)
+from pictures that things fill (textures, photographs): how much of the picture the edges fill. A run on small
+things max-pools its stem in place of the strided layer, whose sampling a small thing's shift changes
+(``capserve.train.stem.pooled_stem``).
 """
 
 from __future__ import annotations
@@ -29,17 +34,22 @@ SHUFFLES = 5  # label permutations averaged for the chance level
 # in-place over shift-free η² at or above which labels follow position: between the battery's sets of things anywhere
 # and its sets of things in their place, far from both (docs/own-data.md, "Where things lie")
 ALIGNED_RATIO = 0.15
+# the share of the picture its edges fill below which its things are small: between the battery's sets of small things
+# anywhere and its textures and photographs (docs/own-data.md, "A max-pool for small things anywhere")
+SMALL_SPREAD = 0.5
 
 
 @dataclass(frozen=True)
 class Placement:
     """What ``measure_placement`` found: η² of the labels above its chance level (the same with shuffled labels), in
-    where the edges lie and in the edges' shift-free spectrum, and those two chance levels."""
+    where the edges lie and in the edges' shift-free spectrum, and those two chance levels; and how much of the
+    picture the edges fill (``edge_spread``)."""
 
     in_place: float
     shift_free: float
     in_place_chance: float
     shift_free_chance: float
+    spread: float
 
     @property
     def ratio(self) -> float:
@@ -57,6 +67,12 @@ class Placement:
     def class_weights(self) -> str:
         """The ``ModelConfig.class_weights`` these images call for."""
         return "per_position" if self.aligned else "shared"
+
+    @property
+    def small_things(self) -> bool:
+        """Whether the labels are small things anywhere: not where they lie, and edges in under ``SMALL_SPREAD`` of
+        the picture."""
+        return not self.aligned and self.spread < SMALL_SPREAD
 
     def reason(self) -> str:
         kind = "follow where things lie" if self.aligned else "do not follow where things lie"
@@ -83,6 +99,12 @@ def _sum_to_one(maps: Tensor) -> Tensor:
 def edge_maps(images: Tensor, block: int = 1024) -> Tensor:
     """Where each image's edges lie: (N, C, H, W) uint8 or float → (N, GRID²), each row summing to 1."""
     return _sum_to_one(torch.cat([F.adaptive_avg_pool2d(e, GRID).flatten(1) for e in _edges(images, block)]))
+
+
+def edge_spread(maps: Tensor) -> float:
+    """How much of the picture the edges of ``edge_maps`` (N, GRID²) fill, from 1/GRID² (all in one cell) to 1 (even
+    over every cell): each map's participation ratio, 1 / (GRID² Σ p²), averaged over the images."""
+    return (1 / (maps.square().sum(1) * maps.shape[1])).mean().item()
 
 
 def spectrum_maps(images: Tensor, block: int = 1024) -> Tensor:
@@ -124,12 +146,13 @@ def above_chance(maps: Tensor, targets: Tensor, generator: torch.Generator) -> t
 
 def measure_placement(images: Tensor, targets: Tensor, seed: int = 0) -> Placement:
     """How far the labels of ``images`` (N, C, H, W) follow where things lie: their η² above chance in the edges'
-    positions, and in the edges' shift-free spectrum.
+    positions, and in the edges' shift-free spectrum; and how much of the picture the edges fill.
 
     Args:
         targets: (N,) class indices, or (N, C) multi-hot.
     """
     generator = torch.Generator().manual_seed(seed)
-    in_place, in_place_chance = above_chance(edge_maps(images), targets, generator)
+    edges = edge_maps(images)
+    in_place, in_place_chance = above_chance(edges, targets, generator)
     shift_free, shift_free_chance = above_chance(spectrum_maps(images), targets, generator)
-    return Placement(in_place, shift_free, in_place_chance, shift_free_chance)
+    return Placement(in_place, shift_free, in_place_chance, shift_free_chance, edge_spread(edges))

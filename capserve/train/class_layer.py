@@ -10,10 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from torch import Tensor
-
 from capserve.configs import ModelConfig
-from capserve.data.placement import measure_placement
+from capserve.data.placement import Placement
 from capserve.train.config import TrainConfig
 
 __all__ = ["OWN_ALIGNED_MULTI_LABEL", "OWN_CLASS_GRID", "choose_class_layer", "chooses_class_weights"]
@@ -40,18 +38,12 @@ def chooses_class_weights(cfg: TrainConfig, config: ModelConfig, resume: str | P
 
 
 def choose_class_layer(
-    images: Tensor,
-    targets: Tensor,
-    task: Literal["single_label", "multi_label"],
-    side: int,
-    given: dict,
-    seed: int,
+    placement: Placement, task: Literal["single_label", "multi_label"], side: int, given: dict
 ) -> tuple[dict[str, str | int], dict[str, str]]:
-    """The overrides that the training ``images`` and ``targets`` choose for a class layer reading a ``side`` ×
-    ``side`` grid, and why (under ``class_weights``, and ``pose`` where it chose one). Transforms per position are
-    shared within the cells of an ``OWN_CLASS_GRID`` grid; on multi-label images ``OWN_ALIGNED_MULTI_LABEL`` instead,
-    unless the ``given`` overrides name a pose."""
-    placement = measure_placement(images, targets, seed)
+    """The overrides that the training images' ``placement`` chooses for a class layer reading a ``side`` × ``side``
+    grid, and why (under ``class_weights``, and ``pose`` where it chose one). Transforms per position are shared
+    within the cells of an ``OWN_CLASS_GRID`` grid; on multi-label images ``OWN_ALIGNED_MULTI_LABEL`` instead, unless
+    the ``given`` overrides name a pose."""
     chosen: dict[str, str | int] = {"class_weights": placement.class_weights}
     reasons = {"class_weights": placement.reason()}
     if placement.class_weights == "per_position" and task == "multi_label" and "pose" not in given:

@@ -22,6 +22,7 @@ from capserve.data.augment import augment_reason, default_augment
 from capserve.data.builtin import Data, dataset_for, load_training
 from capserve.data.cache import CACHE_FILE, build_cache
 from capserve.data.own import InputSize, Manifest, check_data_exists, check_training, is_own_data, scan, with_validation
+from capserve.data.placement import measure_placement
 from capserve.data.preprocess import data_mean_std
 from capserve.data.splits import Split
 from capserve.files import write_whole
@@ -40,6 +41,7 @@ from capserve.train.config import (
 from capserve.train.distributed import Dist
 from capserve.train.few_images import few_images, few_images_augment
 from capserve.train.state import check_init
+from capserve.train.stem import pooled_stem, stem_pool
 
 __all__ = [
     "RESUMED",
@@ -124,15 +126,6 @@ def model_config(cfg: TrainConfig, manifest: Manifest | None = None) -> ModelCon
     # served answers and exports carry the run's name: two fine-tunes of one config can be told apart
     name = cfg.name or Path(cfg.out).name
     return dataclasses.replace(config, extra={**config.extra, "data": data, "name": name})
-
-
-def stem_pool(cfg: TrainConfig, config: ModelConfig) -> int:
-    """The conv backbone's stem pooling for ``--image-size N`` above the config's size: N // size, so that the capsule
-    layers see the grid their routing was measured at, and cost what they cost there (docs/own-data.md, "Larger
-    images"); 1 for any other run, and as given with ``--set stem_pool=K`` (``--init``: its model's, when not 1)."""
-    if "stem_pool" in cfg.overrides or config.backbone != "conv" or cfg.image_size is None:
-        return config.stem_pool
-    return max(cfg.image_size // config.image_size, 1)
 
 
 # a user's run on more classes starts its class transforms at the authors' init for this many (their CIFAR-10 runs)
@@ -346,15 +339,19 @@ def from_the_images(
     cfg: TrainConfig, manifest: Manifest, train: Split, resume: str | Path | None, d: Dist
 ) -> tuple[TrainConfig, ModelConfig, dict[str, str]]:
     """The choices a user's decoded training images make: the class capsule layer (a new run from scratch of a model
-    that can take either: ``capserve.train.class_layer``) and the mean/std (unless ``--init`` keeps its own)."""
+    that can take either: ``capserve.train.class_layer``), on small things anywhere its stem (``pooled_stem``), and
+    the mean/std (unless ``--init`` keeps its own)."""
     reasons: dict[str, str] = {}
     config = model_config(cfg, manifest)
     if chooses_class_weights(cfg, config, resume):
-        side = config.spatial_sizes[-1]
-        chosen, found = choose_class_layer(train.images, train.targets, manifest.task, side, cfg.overrides, cfg.seed)
+        placement = measure_placement(train.images, train.targets, cfg.seed)
+        chosen, found = choose_class_layer(placement, manifest.task, config.spatial_sizes[-1], cfg.overrides)
+        stem, stem_reason = pooled_stem(placement, config, cfg.overrides)
         reasons.update(found)
+        if stem_reason:
+            reasons["stem_pool"] = stem_reason
         # recorded in train_config.json's overrides, so that --resume rebuilds the same model
-        cfg = dataclasses.replace(cfg, overrides={**cfg.overrides, **chosen})
+        cfg = dataclasses.replace(cfg, overrides={**cfg.overrides, **chosen, **stem})
         if d.main:
             log.info("class capsule transforms: %s (%s)", chosen["class_weights"], reasons["class_weights"])
     config = model_config(cfg, manifest)

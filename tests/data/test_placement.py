@@ -4,11 +4,19 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image, ImageDraw
 from support.data import MARKS, decoded_training, mark_pixels, write_marks
 
-from capserve.data.placement import ALIGNED_RATIO, explained_share, measure_placement
+from capserve.data.placement import (
+    ALIGNED_RATIO,
+    GRID,
+    SMALL_SPREAD,
+    edge_spread,
+    explained_share,
+    measure_placement,
+)
 
 
 def test_marks_in_their_place_keep_a_transform_per_position_and_marks_anywhere_share_one(tmp_path):
@@ -73,3 +81,27 @@ def test_the_share_is_between_label_variance_over_total():
     assert explained_share(maps, torch.tensor([0, 1, 0, 1])) == 0.0
     # multi-hot: the first label splits the maps as above (1), the second has the same mean with and without (0)
     assert explained_share(maps, torch.tensor([[1, 0], [1, 1], [0, 0], [0, 1]])) == 0.5
+
+
+def test_small_marks_anywhere_on_a_plain_ground_are_small_things_and_on_noise_they_are_not(tmp_path):
+    """How much of the picture the edges fill: a 6×6 mark anywhere on one grey fills little of it; the same marks on
+    noise, whose edges fill the picture, do not count as small, nor do marks each in a place of its own (there the
+    class transforms per position already read where they lie)."""
+    rng = np.random.default_rng(0)
+    small = measure_placement(*decoded_training(write_marks(tmp_path / "small", 30, rng, placed=True, plain=True)))
+    noisy = measure_placement(*decoded_training(write_marks(tmp_path / "noisy", 30, rng, placed=True)))
+    centred = measure_placement(*decoded_training(write_marks(tmp_path / "c", 30, rng, placed=False, plain=True)))
+    assert small.spread < SMALL_SPREAD < noisy.spread and centred.spread < SMALL_SPREAD
+    assert small.small_things and not noisy.small_things
+    assert centred.aligned and not centred.small_things
+
+
+def test_the_spread_runs_from_one_cell_to_the_whole_picture():
+    one_cell = torch.zeros(2, GRID * GRID)
+    one_cell[:, 5] = 1
+    two_cells = torch.zeros(2, GRID * GRID)
+    two_cells[:, [0, 9]] = 0.5
+    even = torch.full((2, GRID * GRID), 1 / GRID**2)
+    assert edge_spread(one_cell) == pytest.approx(1 / GRID**2)
+    assert edge_spread(two_cells) == pytest.approx(2 / GRID**2)
+    assert edge_spread(even) == pytest.approx(1)

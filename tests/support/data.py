@@ -108,14 +108,18 @@ def mark_pixels(kind: str) -> np.ndarray:
     return mask
 
 
-def write_marks(root: Path, per_label: int, rng: np.random.Generator, placed: bool, side: int = 24) -> Path:
-    """A folder of label folders (``MARKS``): one mark on grey noise, anywhere on the canvas (``placed``), or each
-    label's mark always at the same place, the centre."""
+def write_marks(
+    root: Path, per_label: int, rng: np.random.Generator, placed: bool, side: int = 24, plain: bool = False
+) -> Path:
+    """A folder of label folders (``MARKS``): one mark on grey noise (``plain``: on one grey), anywhere on the canvas
+    (``placed``), or each label's mark always at the same place, the centre."""
     for kind in MARKS:
         (root / kind).mkdir(parents=True)
         mask = mark_pixels(kind)
         for i in range(per_label):
-            pixels = rng.integers(0, 90, (side, side)).astype(np.uint8)
+            pixels = (
+                np.full((side, side), 40, np.uint8) if plain else rng.integers(0, 90, (side, side)).astype(np.uint8)
+            )
             y, x = rng.integers(0, side - 5, 2) if placed else ((side - 6) // 2,) * 2
             pixels[y : y + 6, x : x + 6][mask] = 255
             Image.fromarray(pixels).save(root / kind / f"{i}.png")

@@ -642,3 +642,37 @@ def test_few_pictures_that_a_mirror_keeps_are_shifted_and_mirrored(tmp_path):
     (tmp_path / "multi.csv").write_text("\n".join(rows) + "\n")
     plan = plan_run(own_config(tmp_path / "multi.csv", tmp_path / "run-multi", val_size=0), None, dist, cpu)
     assert plan.cfg.augment == "none"
+
+
+def test_small_things_anywhere_max_pool_the_stem_in_place_of_the_stride(marks, tmp_path):
+    """Marks anywhere on a plain ground (small things anywhere): a new capsule run max-pools its first layer's output
+    by 2 in place of the second layer's stride, at the same capsule grid, says why, records both in its overrides,
+    and ``--resume`` rebuilds that model. Marks on noise (their edges fill the picture), a given stride, a CNN
+    baseline and multi-label images keep the stride; at ``--image-size 64`` the pool takes over both."""
+    cpu, dist = torch.device("cpu"), Dist()
+    small = write_marks(tmp_path / "small", 10, np.random.default_rng(0), placed=True, plain=True)
+    pooled = plan_run(own_config(small, tmp_path / "pooled"), None, dist, cpu)
+    strided = plan_run(own_config(marks, tmp_path / "strided"), None, dist, cpu)
+    assert (pooled.config.stem_pool, pooled.config.backbone_stride) == (2, 1)
+    assert (strided.config.stem_pool, strided.config.backbone_stride) == (1, 2) and "stem_pool" not in strided.reasons
+    assert pooled.config.spatial_sizes == strided.config.spatial_sizes
+    assert pooled.reasons["stem_pool"].startswith("the labels are small things anywhere")
+    given = own_config(small, tmp_path / "given", overrides={**tiny_overrides("cifar10-conv"), "backbone_stride": 2})
+    assert plan_run(given, None, dist, cpu).config.stem_pool == 1
+    cnn = own_config(small, tmp_path / "cnn", model="cifar10-conv-cnn", overrides=tiny_overrides("cifar10-conv-cnn"))
+    assert plan_run(cnn, None, dist, cpu).config.backbone_stride == 2
+    rows = ["image,labels"] + [f"{p.relative_to(tmp_path)},{p.parent.name}" for p in small.rglob("*.png")]
+    (tmp_path / "small.csv").write_text("\n".join(rows) + "\n")
+    multi = plan_run(own_config(tmp_path / "small.csv", tmp_path / "multi"), None, dist, cpu)
+    assert multi.config.task == "multi_label" and multi.config.backbone_stride == 2
+    large = plan_run(own_config(small, tmp_path / "large", image_size=64), None, dist, cpu)
+    assert (large.config.stem_pool, large.config.backbone_stride) == (4, 1)
+    assert large.config.spatial_sizes == strided.config.spatial_sizes
+    out = tmp_path / "run"
+    train(own_config(small, out, epochs=2, max_steps=1))
+    record = json.loads((out / "train_config.json").read_text())
+    assert (record["overrides"]["stem_pool"], record["overrides"]["backbone_stride"]) == (2, 1)
+    train(read_resume_config(out), resume=out)
+    model = capserve.load(out / "last")
+    assert (model.config.stem_pool, model.config.backbone_stride) == (2, 1)
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 3)

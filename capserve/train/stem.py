@@ -1,0 +1,42 @@
+"""The conv backbone's stem a run on a user's images chooses: a max-pool after its first layer that keeps the capsule
+grid of a 32-pixel input for larger images (``stem_pool``), and one in place of its strided second layer for small
+things anywhere (``pooled_stem``). docs/own-data.md has the measurements: "Larger images" and "A max-pool for small
+things anywhere".
+"""
+
+from __future__ import annotations
+
+from capserve.configs import ModelConfig
+from capserve.data.placement import SMALL_SPREAD, Placement
+from capserve.train.config import TrainConfig
+
+__all__ = ["pooled_stem", "stem_pool"]
+
+
+def stem_pool(cfg: TrainConfig, config: ModelConfig) -> int:
+    """The conv backbone's stem pooling for ``--image-size N`` above the config's size: N // size, so that the capsule
+    layers see the grid their routing was measured at, and cost what they cost there (docs/own-data.md, "Larger
+    images"); 1 for any other run, and as given with ``--set stem_pool=K`` (``--init``: its model's, when not 1)."""
+    if "stem_pool" in cfg.overrides or config.backbone != "conv" or cfg.image_size is None:
+        return config.stem_pool
+    return max(cfg.image_size // config.image_size, 1)
+
+
+def pooled_stem(placement: Placement, config: ModelConfig, given: dict) -> tuple[dict[str, int], str | None]:
+    """A max-pool in place of the conv backbone's strided layer, at the same capsule grid, for a capsule network on
+    single-label images of small things anywhere (``Placement.small_things``), and why: a small thing shifted by a
+    pixel meets the stride's sampling anew, and a max-pool reports its strongest part wherever it fell
+    (docs/own-data.md, "A max-pool for small things anywhere"). Nothing for any other run, nor with ``--set
+    stem_pool=K`` or ``backbone_stride=K`` given; recorded in ``overrides`` so that ``--resume`` rebuilds the same
+    model. The pool takes over the stride on top of any ``--image-size`` pooling."""
+    if {"stem_pool", "backbone_stride"} & given.keys() or config.backbone != "conv" or config.backbone_stride == 1:
+        return {}, None
+    if config.task != "single_label" or not placement.small_things:
+        return {}, None
+    pool = config.stem_pool * config.backbone_stride
+    why = (
+        f"the labels are small things anywhere (their edges fill {placement.spread:.2f} of the picture; under "
+        f"{SMALL_SPREAD:g} counts as small): a max-pool by {pool} after the first layer in place of the strided "
+        "second, at the same capsule grid (--set backbone_stride=2 keeps the stride)"
+    )
+    return {"stem_pool": pool, "backbone_stride": 1}, why
