@@ -73,6 +73,7 @@ EPOCHS = {
     "few-placed-photos": 20,
     "placed-symbols": 6,
     "placed-photos": 10,
+    "placed-faces": 16,
 }
 
 

@@ -73,8 +73,10 @@ AUTO_CAPSULE_LR_SCALE = {"builtin": 1.0, "own": 1.0}
 
 # The weight of the training-only backbone classifier's loss (``capserve.train.backbone_loss``) beside a capsule
 # network's, without --backbone-loss: on a user's images, where short runs left the capsules behind the CNN, it helped
-# across the battery (docs/own-data.md, "Capsules beside the CNN"); the built-in data sets keep the paper's recipe.
-AUTO_BACKBONE_LOSS = {"builtin": 0.0, "own": 1.0}
+# across the battery (docs/own-data.md, "Capsules beside the CNN"); on small things anywhere, where the max-pooled stem
+# learns later than the CNN, twice that weight starts the capsules sooner (``capserve.train.stem``; "A max-pool for
+# small things anywhere"). The built-in data sets keep the paper's recipe.
+AUTO_BACKBONE_LOSS = {"builtin": 0.0, "own": 1.0, "own small things": 2.0}
 
 # The grid the backbone classifier averages the backbone's map over (N×N), without --backbone-loss-grid, by the class
 # capsule transforms the run has: where the labels follow where things lie (a transform per position), a 4×4 grid

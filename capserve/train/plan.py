@@ -41,7 +41,7 @@ from capserve.train.config import (
 from capserve.train.distributed import Dist
 from capserve.train.few_images import few_images, few_images_augment
 from capserve.train.state import check_init
-from capserve.train.stem import pooled_stem, stem_pool
+from capserve.train.stem import pooled_stem, pooled_stem_backbone_loss, stem_pool
 
 __all__ = [
     "RESUMED",
@@ -451,6 +451,9 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
         data, test_split, skipped = load_own_training(manifest, config, out, d, device)
         cfg, config, found = from_the_images(cfg, manifest, data.train, resume, d)
         reasons.update(found)
+        if "stem_pool" in found:
+            cfg, heavier = pooled_stem_backbone_loss(cfg, given)
+            reasons["backbone_loss"] = heavier or reasons["backbone_loss"]
         cfg, mirrored = few_images_augment(cfg, config, manifest, data.train, resume)
         reasons.update(mirrored)
     else:

@@ -1,16 +1,18 @@
 """The conv backbone's stem a run on a user's images chooses: a max-pool after its first layer that keeps the capsule
 grid of a 32-pixel input for larger images (``stem_pool``), and one in place of its strided second layer for small
-things anywhere (``pooled_stem``). docs/own-data.md has the measurements: "Larger images" and "A max-pool for small
-things anywhere".
+things anywhere (``pooled_stem``), with the heavier backbone loss that goes with it (``pooled_stem_backbone_loss``).
+docs/own-data.md has the measurements: "Larger images" and "A max-pool for small things anywhere".
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from capserve.configs import ModelConfig
 from capserve.data.placement import SMALL_SPREAD, Placement
-from capserve.train.config import TrainConfig
+from capserve.train.config import AUTO_BACKBONE_LOSS, TrainConfig
 
-__all__ = ["pooled_stem", "stem_pool"]
+__all__ = ["pooled_stem", "pooled_stem_backbone_loss", "stem_pool"]
 
 
 def stem_pool(cfg: TrainConfig, config: ModelConfig) -> int:
@@ -40,3 +42,14 @@ def pooled_stem(placement: Placement, config: ModelConfig, given: dict) -> tuple
         "second, at the same capsule grid (--set backbone_stride=2 keeps the stride)"
     )
     return {"stem_pool": pool, "backbone_stride": 1}, why
+
+
+def pooled_stem_backbone_loss(cfg: TrainConfig, given: TrainConfig) -> tuple[TrainConfig, str | None]:
+    """``cfg`` with the backbone loss a run whose stem ``pooled_stem`` max-pooled takes (and why): twice the weight of
+    other runs on a user's images, ``AUTO_BACKBONE_LOSS["own small things"]``, which starts the capsules sooner there.
+    As given with ``--backbone-loss``."""
+    if given.backbone_loss is not None:
+        return cfg, None
+    weight = AUTO_BACKBONE_LOSS["own small things"]
+    why = "the default for a capsule network on small things anywhere, whose stem is max-pooled"
+    return dataclasses.replace(cfg, backbone_loss=weight), why

@@ -24,7 +24,7 @@ from capserve.model.backbones import BasicBlock
 from capserve.model.capsnet import CapsNet
 from capserve.routing.losses import training_loss
 from capserve.train.backbone_loss import BackboneClassifier
-from capserve.train.config import DEFAULT_LR, TrainConfig, read_resume_config, resolve_recipe
+from capserve.train.config import AUTO_BACKBONE_LOSS, DEFAULT_LR, TrainConfig, read_resume_config, resolve_recipe
 from capserve.train.distributed import Dist
 from capserve.train.loop import train
 from capserve.train.optimizer import make_optimizer
@@ -676,3 +676,27 @@ def test_small_things_anywhere_max_pool_the_stem_in_place_of_the_stride(marks, t
     model = capserve.load(out / "last")
     assert (model.config.stem_pool, model.config.backbone_stride) == (2, 1)
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+
+
+def test_small_things_anywhere_train_with_twice_the_backbone_loss(marks, tmp_path):
+    """The run whose stem the max-pool takes trains with twice the backbone loss of other runs on a user's images, says
+    why, and records it, so that ``--resume`` keeps it; a given ``--backbone-loss``, a strided stem and a CNN baseline
+    keep theirs."""
+    cpu, dist = torch.device("cpu"), Dist()
+    small = write_marks(tmp_path / "small", 10, np.random.default_rng(0), placed=True, plain=True)
+    pooled = plan_run(own_config(small, tmp_path / "pooled"), None, dist, cpu)
+    assert pooled.cfg.backbone_loss == AUTO_BACKBONE_LOSS["own small things"] == 2 * AUTO_BACKBONE_LOSS["own"]
+    assert "small things anywhere" in pooled.reasons["backbone_loss"]
+    strided = plan_run(own_config(marks, tmp_path / "strided"), None, dist, cpu)
+    assert strided.cfg.backbone_loss == AUTO_BACKBONE_LOSS["own"]
+    assert strided.reasons["backbone_loss"] == "the default for your own images"
+    given = plan_run(own_config(small, tmp_path / "given", backbone_loss=0.5), None, dist, cpu)
+    assert (given.config.stem_pool, given.cfg.backbone_loss, given.reasons["backbone_loss"]) == (2, 0.5, "given")
+    kept = own_config(small, tmp_path / "kept", overrides={**tiny_overrides("cifar10-conv"), "backbone_stride": 2})
+    assert plan_run(kept, None, dist, cpu).cfg.backbone_loss == AUTO_BACKBONE_LOSS["own"]
+    cnn = own_config(small, tmp_path / "cnn", model="cifar10-conv-cnn", overrides=tiny_overrides("cifar10-conv-cnn"))
+    assert plan_run(cnn, None, dist, cpu).cfg.backbone_loss == 0
+    out = tmp_path / "run"
+    train(own_config(small, out, epochs=2, max_steps=1))
+    assert json.loads((out / "train_config.json").read_text())["backbone_loss"] == 2
+    assert plan_run(read_resume_config(out), out, dist, cpu).cfg.backbone_loss == 2
