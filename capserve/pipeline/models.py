@@ -148,10 +148,7 @@ def open_model(spec: str, settings: ModelOptions, explain: bool = True) -> tuple
         runtime.precision_reason = precision_reason(runtime, settings)
         explainer = None
         if explain and (path / EXPLAIN_ARTIFACT).is_file():
-            explainer = load_runtime(
-                path / EXPLAIN_ARTIFACT, "onnxruntime", settings.device, threads=settings.threads or 0
-            )
-            explainer.precision_reason = runtime.precision_reason
+            explainer = _open_explainer(path / EXPLAIN_ARTIFACT, settings)
         elif explain and has_routing(runtime):
             log.warning(
                 "%s has no %s: /explain is off (run `capserve export onnx %s -o %s --explain`)",
@@ -201,11 +198,16 @@ def _file_explainer(path: Path, settings: ModelOptions, runtime: Runtime) -> Run
     if not sibling.is_file() or not has_routing(runtime):
         return None
     try:
-        explainer = load_runtime(sibling, "onnxruntime", settings.device)
+        explainer = _open_explainer(sibling, settings)
     except (RuntimeLoadError, ValueError) as e:
         raise ConfigurationError(f"cannot load the explanation graph {sibling}: {e}") from e
     if explainer.metadata.weights_sha256 != runtime.metadata.weights_sha256:
         log.warning("%s was exported from other weights than %s: /explain is off", sibling, path)
         return None
-    explainer.precision_reason = runtime.precision_reason
     return explainer
+
+
+def _open_explainer(graph: Path, settings: ModelOptions) -> Runtime:
+    """The explanation graph ``graph``, on the worker's share of the cores as the predictions' runtime is
+    (``settings.threads``; 0: ONNX Runtime's default, every core)."""
+    return load_runtime(graph, "onnxruntime", settings.device, threads=settings.threads or 0)

@@ -358,7 +358,9 @@ class CapsuleLayer(nn.Module):
         if self.cells is None:
             return self.weight
         per_cell = self.weight.unflatten(0, (self.cells**2, -1))  # (cells², I, J, X, Y)
-        return per_cell[self.cell_of].flatten(0, 1)  # (P·I, J, X, Y)
+        # index_select, not per_cell[cell_of]: its gradient sums the positions of a cell in a fixed order, where
+        # indexing's scatters them with atomic adds whose order, and so whose sum, follows the threads' timing
+        return per_cell.index_select(0, self.cell_of).flatten(0, 1)  # (P·I, J, X, Y)
 
     def _activate(self, u: Tensor) -> Tensor:
         if self.activation is not None:

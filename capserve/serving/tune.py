@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import logging
+import math
 import os
 import tempfile
 import time
@@ -417,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
     from capserve.model.checkpoint import read_config
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request of the load otherwise
-    if args.budget <= 0:
+    if not (math.isfinite(args.budget) and args.budget > 0):  # nan compares False both ways: it would pass "<= 0"
         raise UsageError(f"--budget must be a positive number of seconds, got {args.budget:g}")
     folder = resolve_model(args.model).path
     if not (folder / "config.json").is_file():

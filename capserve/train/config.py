@@ -20,6 +20,7 @@ SCHEDULES = ("step", "cosine", "onecycle")
 
 
 AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+AMP_CHOICES = ("auto", *AMP)  # --amp: "auto" chooses among "off" (fp32) and "bf16" by measuring (capserve.train.amp)
 
 
 # "auto" picks per data (``resolve_recipe``): the authors' SGD for the built-in data sets, AdamW for a user's images
@@ -112,8 +113,8 @@ class TrainConfig:
     optimizer: str = "auto"  # OPTIMIZERS; "auto" is resolved by the training set-up (``resolve_recipe``)
     weight_decay: float | None = None  # None: DEFAULT_WEIGHT_DECAY of the optimizer (resolved likewise)
     schedule: str | None = None  # SCHEDULES; None: AUTO_RECIPE's for the data (resolved likewise)
-    amp: str = "off"
-    channels_last: bool = False
+    amp: str = "auto"  # AMP_CHOICES; "auto": the fastest measured here (capserve.train.amp, resolved by the plan)
+    channels_last: bool | None = None  # None: with --amp auto, measured; otherwise off
     time_budget: float | None = None
     max_steps: int | None = None
     grad_clip: float | None = None
@@ -132,6 +133,10 @@ class TrainConfig:
     freeze: str | None = None  # FREEZE: "backbone" trains only the capsule layers (small data sets, with --init)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # nan compares False with every bound below, and would pass them all
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
         if self.model not in list_models():
             raise ValueError(f"unknown model {self.model!r}; choose one of: {', '.join(list_models())}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
@@ -150,8 +155,8 @@ class TrainConfig:
             raise ValueError(f"--freeze must be one of {FREEZE}, got {self.freeze!r}")
         if self.freeze is not None and not self.init:
             raise ValueError(f"--freeze {self.freeze} keeps a trained backbone: give --init MODEL_DIR too")
-        if self.amp not in AMP:
-            raise ValueError(f"--amp must be one of {tuple(AMP)}, got {self.amp!r}")
+        if self.amp not in AMP_CHOICES:
+            raise ValueError(f"--amp must be one of {AMP_CHOICES}, got {self.amp!r}")
         for name in ("epochs", "batch_size", "eval_batch_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -36,6 +36,7 @@ from capserve.model.factory import Model
 from capserve.model.factory import load as load_model
 from capserve.routing.losses import training_loss
 from capserve.runtime.outputs import multi_label_decisions
+from capserve.train.amp import deterministic_kernels
 from capserve.train.backbone_loss import BackboneClassifier, backbone_classifier
 from capserve.train.config import AMP, TrainConfig, lr_factor
 from capserve.train.distributed import Dist, setup_distributed
@@ -123,7 +124,8 @@ def train(cfg: TrainConfig, resume: str | Path | None = None) -> dict[str, Any]:
     """Run training as ``cfg`` says (continuing from ``resume``'s ``last/`` if given); return the summary."""
     d, device = setup_distributed(cfg.device)
     try:
-        return _train(cfg, resume, d, device)
+        with deterministic_kernels(device):
+            return _train(cfg, resume, d, device)
     finally:
         if d.enabled and dist.is_initialized():
             dist.destroy_process_group()

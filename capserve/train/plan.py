@@ -29,6 +29,7 @@ from capserve.files import write_whole
 from capserve.model.factory import Model, build_model
 from capserve.routing.attention import cross_entropy_loss
 from capserve.routing.losses import training_loss
+from capserve.train.amp import AmpCandidate, run_precision
 from capserve.train.class_layer import choose_class_layer, chooses_class_weights
 from capserve.train.config import (
     AUTO_BACKBONE_LOSS_GRID,
@@ -412,8 +413,10 @@ def log_choices(plan: Plan, d: Dist) -> None:
     if config.has_routing and d.main:
         log.info("capsule poses: %s (%s)", config.pose, plan.reasons["pose"])
         log.info("class capsule norm: %s (%s)", config.class_norm, plan.reasons["class_norm"])
-    if plan.manifest is not None and not cfg.init:
+    if plan.manifest is not None and not cfg.init and d.main:
         log.info("mean/std from the %d training images: %s / %s", len(plan.data.train), config.mean, config.std)
+    if d.main:
+        log.info("precision: %s (%s)", AmpCandidate(cfg.amp, cfg.channels_last).label(), plan.reasons["amp"])
 
 
 def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.device) -> Plan:
@@ -472,6 +475,9 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
     reasons["class_norm"] = norm_reason
     reasons["backbone_depth"] = depth_reason
     cfg, reasons["backbone_loss_grid"] = backbone_loss_grid(cfg, config, resume)
+    chosen, why = run_precision(cfg, config, d, device)
+    cfg = dataclasses.replace(cfg, amp=chosen.amp, channels_last=chosen.channels_last)
+    reasons["amp"] = RESUMED if resume is not None else why
     reasons.setdefault("mean_std", "kept with --init (the model config's)" if cfg.init else "the model config's")
     if config.stem_pool > 1 and "stem_pool" not in cfg.overrides:
         reasons["stem_pool"] = (

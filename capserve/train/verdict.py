@@ -19,12 +19,15 @@ from capserve.data.builtin import Data
 from capserve.model.checkpoint import NOT_LEARNED, update_config
 
 __all__ = [
+    "LEARNED_SHARE",
     "MEMORISING_GAP",
     "TRY_NEXT",
     "Verdict",
+    "can_tell",
     "chance_level",
     "check_learned",
     "has_learned",
+    "images_to_tell",
     "learning_bound",
     "mark_not_learned",
     "prior_score",
@@ -67,6 +70,24 @@ def chance_level(prior: float, n: int) -> float:
     return prior + standard_error(prior, n) + 1 / max(n, 1)
 
 
+# a run that learned, for telling one apart on a small split: right on this share of the images that always answering
+# the prior gets wrong
+LEARNED_SHARE = 0.5
+
+
+def can_tell(prior: float, n: int) -> bool:
+    """Whether ``n`` validation images can tell a run that did not learn from one that did: a run that learned (right
+    on ``LEARNED_SHARE`` of the images the ``prior``'s answer gets wrong) scores, but for two of its own standard
+    errors, above ``chance_level``. Where it could fall below, a score at chance says nothing about learning."""
+    learned = prior + LEARNED_SHARE * (1 - prior)
+    return learned - 2 * standard_error(learned, n) > chance_level(prior, n)
+
+
+def images_to_tell(prior: float, most: int = 100_000) -> int:
+    """The fewest validation images that ``can_tell`` at ``prior`` (``most`` if none up to it)."""
+    return next((n for n in range(1, most) if can_tell(prior, n)), most)
+
+
 def has_learned(best: float, prior: float, n: int) -> bool:
     """Whether a best validation score ``best`` over ``n`` images is clearly above the ``prior`` score
     (``learning_bound``)."""
@@ -78,8 +99,9 @@ class Verdict:
     """What a run's best validation score says about its learning (``verdict``).
 
     ``learned``: True, clearly above the label prior (``learning_bound``); False, at the prior (at most
-    ``chance_level``): the run fails and ``best/`` is marked; None, between the two, or a split too small for even a
-    perfect score to clear the prior's noise: the split cannot tell, and the run does not fail. ``message``: what
+    ``chance_level``) on a split large enough that a run which learned would have scored above it (``can_tell``):
+    the run fails and ``best/`` is marked; None, between the two, or on a split too small to tell: the run does not
+    fail. ``message``: what
     the log says, with the figures and the bounds (empty when the run clearly learned)."""
 
     learned: bool | None
@@ -102,12 +124,15 @@ def verdict(best: float, prior: float, n: int, answer: str, metric: str = "top-1
     clears = f"more than {100 * bound:.1f} % (two standard errors and one image above the prior)"
     if best > bound:
         return Verdict(True, "")
-    if not has_learned(1.0, prior, n):
+    if not can_tell(prior, n):
+        needed = images_to_tell(prior)
         return Verdict(
             None,
             f"the validation split ({n} images) is too small to tell a model that learned from one that did not: "
-            f"{scored}, against {always}; even 100 % would not clear that prior's noise on {n} images (it takes "
-            f"{clears}). Give --val-size a larger count, or a val/ split",
+            f"{scored}, against {always}. On {n} images a model that learned nothing reaches up to "
+            f"{100 * min(chance, 1):.1f} % by chance, and one that learned can score below that; clear of chance "
+            f"takes {clears}. best/ is not marked. To tell, it takes about {needed} validation images at this prior: "
+            f"give --val-size {needed} (or more), a val/ split, or more images",
         )
     if best > chance:
         return Verdict(

@@ -120,6 +120,21 @@ def test_the_speed_gate_passes_at_exactly_its_bound(tiny, folder, tmp_path, monk
     assert not (tmp_path / "above.onnx").exists()
 
 
+def test_a_graph_gated_at_full_agreement_is_served_on_the_machine_that_exported_it(tiny, folder, tmp_path, monkeypatch):
+    """``--min-agreement 1``: the graph records images on which int8 decided as fp32, so where it was exported its
+    start-up re-check agrees on all of them, exactly its bound, and the graph is served."""
+    from capserve.runtime import load_runtime
+
+    clock = FakeClock()
+    stand_in_sessions(monkeypatch, clock, {"fp32": 6 / 64, "u8s8": 4 / 64}, answer_as=tiny / "model.onnx")
+    out = tmp_path / "full.onnx"
+    export_int8(tiny, out, folder, images=16, clock=clock, cpu=VNNI, min_agreement=1.0)
+    runtime = load_runtime(out)
+    assert runtime.precision == "int8"
+    assert runtime.precision_reason.startswith("int8 verified on this machine: int8 decides as fp32 on 1.0000")
+    assert "(bound 1, its export gate's" in runtime.precision_reason
+
+
 # ------------------------------------------------------------------------------------------ without VNNI
 
 

@@ -30,7 +30,8 @@ CIFAR10, MULTIMNIST = str(ROOT / "models" / "cifar10"), str(ROOT / "models" / "m
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    """Images in nested folders, of several formats and sizes, one file that is not an image and one hidden file."""
+    """Images in nested folders, of several formats and sizes, one file that is not an image, a hidden file and two
+    hidden folders with images in them."""
     root = tmp_path_factory.mktemp("images")
     (root / "b" / "deep").mkdir(parents=True)
     (root / "a").mkdir()
@@ -40,6 +41,9 @@ def folder(tmp_path_factory) -> Path:
     (root / "b" / "deep" / "grey.png").write_bytes(random_png(10, (32, 32), "L"))
     (root / "b" / "broken.png").write_bytes(b"\x89PNG not really")
     (root / "b" / ".hidden.png").write_bytes(random_png(11))
+    for hidden in (".ipynb_checkpoints", "b/.thumbnails"):  # what notebooks and file managers leave beside images
+        (root / hidden).mkdir()
+        (root / hidden / "0.png").write_bytes(random_png(12))
     (root / "b" / "notes.txt").write_text("not an image")
     return root
 
@@ -191,6 +195,29 @@ def test_the_python_api_takes_paths_bytes_pil_images_and_arrays(folder):
     assert predictor.predict([b"nope"])[0]["error"].startswith("the image: ")
     with pytest.raises(ValueError, match="top_k=11"):
         Predictor(CIFAR10, top_k=11)
+
+
+@pytest.mark.parametrize("column", ["path", "image"])
+def test_a_ray_batch_keeps_its_paths_beside_the_answers(folder, column):
+    """``Predictor.__call__`` as Ray Data's ``map_batches`` calls it, without Ray: a dict of columns in, the same
+    rows out in order, with ``path`` kept when the batch had one (the recipe's CSV joins answers to files by it)."""
+    paths = [str(folder / "a" / "0.png"), str(folder / "b" / "broken.png"), str(folder / "b" / "photo.jpg")]
+    predictor = Predictor(CIFAR10, top_k=1)
+    if column == "path":
+        batch = {"path": np.asarray(paths, dtype=object)}
+    else:  # read_images' column: decoded arrays, no path
+        batch = {"image": np.stack([np.asarray(Image.open(p).convert("RGB").resize((32, 32))) for p in paths[::2]])}
+    out = predictor(batch)
+    rows = len(batch[column])
+    assert set(out) == ({"path", "answer", "error"} if column == "path" else {"answer", "error"})
+    assert all(len(values) == rows for values in out.values())
+    if column == "path":
+        assert list(out["path"]) == paths
+        assert out["error"][1].startswith("the image: ") and out["answer"][1] == ""
+        local = predictor.predict(paths)
+        assert [json.loads(a) if a else None for a in out["answer"]] == [None if "error" in r else r for r in local]
+    else:
+        assert not any(out["error"]) and all(json.loads(a)["predictions"] for a in out["answer"])
 
 
 def test_the_ray_data_recipe(folder, tmp_path, monkeypatch):

@@ -75,3 +75,31 @@ def test_primary_capsules_are_the_conv_channels_as_poses(kernel):
     channels = primary.conv(features)  # (B, I·D, H, W)
     assert out.shape == (2, 5, 5, 4, 9)
     torch.testing.assert_close(out[1, 2, 3, 1], channels[1, 9:18, 2, 3])
+
+
+@pytest.mark.parametrize("cells", [1, 2])
+def test_transforms_shared_within_cells_sum_their_gradient_in_a_fixed_order(cells):
+    """The gradient of a transform shared by the positions of a cell sums them without an atomic scatter
+    (``index_put`` with accumulate), whose parallel CPU kernel adds in the order busy threads reach it, so that two
+    seeded runs part by rounding. It is the positions' own sum, as a loop would make it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Scatters(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "index_put" in str(func) and ((len(args) > 3 and args[3]) or (kwargs or {}).get("accumulate")):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = CapsuleLayer(CapsuleLayerConfig("fc", 3), 4, 5, "matrix", 16, cells=cells)
+    upstream = torch.randn(25 * 4, 3, 4, 4)  # (P·I, J, X, Y)
+    with Scatters() as scatters:
+        (layer.votes_weight() * upstream).sum().backward()
+    assert scatters.seen == []
+    per_cell = upstream.unflatten(0, (25, 4))  # (P, I, J, X, Y)
+    expected = torch.zeros(cells * cells, 4, 3, 4, 4).index_add_(0, layer.cell_of, per_cell).flatten(0, 1)
+    torch.testing.assert_close(layer.weight.grad, expected)

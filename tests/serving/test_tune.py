@@ -304,8 +304,33 @@ def test_tune_refuses_what_it_cannot_measure_in_one_line(tmp_path, capsys):
 
     assert main(["tune", str(tmp_path)]) == 2
     assert "not a model folder" in capsys.readouterr().err
-    assert main(["tune", str(tmp_path), "--budget", "0"]) == 2
-    assert "--budget must be" in capsys.readouterr().err
+    for budget in ("0", "nan", "inf", "-inf"):  # nan passes any "<= 0" check: it compares False both ways
+        assert main(["tune", str(tmp_path), f"--budget={budget}"]) == 2
+        err = capsys.readouterr().err
+        assert f"--budget must be a positive number of seconds, got {budget}" in err and len(err.splitlines()) == 1
+
+
+def test_errors_at_one_client_count_against_a_candidate(tmp_path, monkeypatch):
+    """A configuration that answers 32 clients but fails lone requests is not chosen: the one-client phase's errors
+    count in the measurement as the 32-client phase's do."""
+    import contextlib
+
+    from capserve.serving import tune as tune_module
+
+    @contextlib.contextmanager
+    def server(env, home):
+        yield "http://127.0.0.1:9"  # never reached: the load below stands in for it
+
+    async def load(url, bodies, requests, concurrency, seconds=None):  # loadtest.load's contract
+        assert bodies and requests > 0 and seconds > 0
+        latencies = [5.0] * 20
+        return 0.5, latencies, ({"500": 4} if concurrency == 1 else {})
+
+    monkeypatch.setattr(tune_module, "running_server", server)
+    monkeypatch.setattr(tune_module, "load", load)
+    lone_failures = tune_module.measure_server(tmp_path, 16, tmp_path)(FP32, 1.0)
+    assert lone_failures.errors == 4 and not lone_failures.valid
+    assert choose([lone_failures, measured(TWO, 10.0)], cores=4).candidate == TWO
 
 
 @pytest.mark.slow

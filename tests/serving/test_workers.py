@@ -102,16 +102,19 @@ def test_available_cores_honours_a_cgroup_cpu_limit(tmp_path):
     assert available_cores(v1) == affinity
 
 
-def test_one_worker_sessions_use_its_share_of_the_cores(tiny_cifar10):
-    """A worker's three ONNX Runtime sessions (lone requests, explanations, batches) run on its threads only."""
+@pytest.mark.parametrize("given", ["folder", "file"])
+def test_one_worker_sessions_use_its_share_of_the_cores(tiny_cifar10, given):
+    """A worker's three ONNX Runtime sessions (lone requests, explanations, batches) run on its threads only, the
+    model given as its folder or as its graph file (whose explanation graph lies beside it)."""
     worker = W.Worker(index=1, count=2, device="cpu", threads=2)
-    capsules = Capsules(Settings(model=str(tiny_cifar10), multilabel_model="none"), worker=worker)
+    model = tiny_cifar10 if given == "folder" else tiny_cifar10 / "model.onnx"
+    capsules = Capsules(Settings(model=str(model), multilabel_model="none"), worker=worker)
     lone = capsules.runtime.session.get_session_options()
     explain = capsules.explainer.session.get_session_options()
     batch = capsules.batchers[False].runtime.session.get_session_options()
     assert (lone.intra_op_num_threads, explain.intra_op_num_threads, batch.intra_op_num_threads) == (2, 2, 1)
     assert capsules.batchers[False].in_flight == 2  # two one-thread batches: 2 threads, its share
-    one = Capsules(Settings(model=str(tiny_cifar10), multilabel_model="none"), worker=W.Worker(0, 2, "cpu", 1))
+    one = Capsules(Settings(model=str(model), multilabel_model="none"), worker=W.Worker(0, 2, "cpu", 1))
     assert one.batchers[False].runtime.session.get_session_options().intra_op_num_threads == 1
     assert one.batchers[False].in_flight == 1  # never two threads on a one-core share
     described = capsules.describe()

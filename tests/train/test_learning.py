@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -26,7 +27,16 @@ from capserve.export.onnx import load_checkpoint
 from capserve.model.checkpoint import not_learned_warning, save_model
 from capserve.pipeline.models import open_model
 from capserve.serving.settings import Settings
-from capserve.train.verdict import check_learned, has_learned, mark_not_learned, prior_score, verdict
+from capserve.train.verdict import (
+    LEARNED_SHARE,
+    chance_level,
+    check_learned,
+    has_learned,
+    images_to_tell,
+    mark_not_learned,
+    prior_score,
+    verdict,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -434,7 +444,7 @@ def test_a_small_split_that_cannot_tell_says_so_and_does_not_fail_a_run_above_th
         (10 / 30, 1 / 3, 30, False, "is no better than always answering airplane (33.3 %"),
         (9 / 30, 1 / 3, 30, False, "the run did not learn"),
         (0.62, 0.4, 100, True, ""),
-        (1.0, 0.4, 5, None, "even 100 % would not clear"),
+        (1.0, 0.4, 5, None, "it takes about 29 validation images at this prior: give --val-size 29"),
         (0.2, 0.4, 5, None, "too small to tell a model that learned from one that did not"),
     ],
 )
@@ -446,6 +456,32 @@ def test_the_verdict_by_its_figures(best, prior, n, learned, says):
     assert said.learned is learned and says in said.message, said
     if best > prior:
         assert "no better than" not in said.message
+
+
+def test_nine_validation_images_cannot_tell_and_the_run_does_not_fail(tmp_path, caplog):
+    """90 pictures of 3 classes, 9 for validation: 55.6 % against a prior of 44.4 % is within chance (72.1 %), but a
+    run that learned could score that low on 9 images too: the split cannot tell, says how many would, and neither
+    fails the run nor marks best/."""
+    train_targets, val_targets = [2] * 31 + [0] * 25 + [1] * 25, [2] * 4 + [0] * 3 + [1] * 2
+    run = fake_run(tmp_path, train_targets, val_targets, 5 / 9)
+    with caplog.at_level(logging.WARNING):
+        assert learned_of(run) == {"learned": None, "prior": pytest.approx(4 / 9)}
+    said = caplog.text
+    assert "too small to tell" in said and "did not learn:" not in said and "up to 72.1 % by chance" in said, said
+    assert f"give --val-size {images_to_tell(4 / 9)} (or more), a val/ split, or more images" in said
+    assert not_learned_warning(run.out / "best") is None
+
+
+@pytest.mark.parametrize("prior", [4 / 9, 1 / 3, 0.5, 0.1, 0.9])
+def test_a_run_at_the_prior_fails_from_the_first_split_that_can_tell(prior):
+    """Both sides of the bound: one image fewer than ``images_to_tell``, a run at the prior is not said to have
+    failed; from there on it is, and a run that learned (right on half the prior's misses) clears chance there."""
+    n = images_to_tell(prior)
+    assert 1 < n < 1000
+    assert verdict(prior, prior, n - 1, "bird").learned is None
+    assert verdict(prior, prior, n, "bird").learned is False
+    learned = prior + LEARNED_SHARE * (1 - prior)
+    assert learned - 2 * math.sqrt(learned * (1 - learned) / n) > chance_level(prior, n)
 
 
 @pytest.mark.parametrize(("learned", "code"), [(True, 0), (None, 0), (False, 1)])

@@ -395,6 +395,18 @@ def test_a_capsule_network_on_own_multi_label_images_takes_a_batch_of_16_at_half
         assert plan.cfg.lr == DEFAULT_LR["adamw"]
     given = plan_run(own_config(csv, tmp_path / "given", batch_size=8, lr=3e-3), None, dist, cpu)
     assert (given.cfg.batch_size, given.cfg.lr, given.reasons["batch_size"]) == (8, 3e-3, "given")
+
+
+def test_a_given_batch_larger_than_the_training_set_is_refused_not_shrunk(marks, tmp_path, capsys):
+    """Only the default batch is fitted to a small data set; one the user gave is what they asked for, so more than
+    the training images is an error that says both figures (exit 2, one line)."""
+    from capserve.cli import main
+
+    with pytest.raises(ValueError, match=r"^--batch-size 64 exceeds the 27 training images per epoch$"):
+        plan_run(own_config(marks, tmp_path / "planned", batch_size=64), None, Dist(), torch.device("cpu"))
+    assert main(["train", "--data", str(marks), "--out", str(tmp_path / "run"), "--batch-size", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "capserve train: error: --batch-size 64 exceeds the 27 training images per epoch"
     builtin = resolve_recipe(own_config(marks, tmp_path / "builtin"), own_data=False, multi_label_capsules=True)
     assert (builtin.batch_size, builtin.lr) == (128, DEFAULT_LR["sgd"])
 
@@ -585,6 +597,13 @@ def test_many_classes_from_few_images_train_with_more_decay_smoothing_and_depth(
     plan = plan_run(given, None, dist, cpu)
     assert (plan.cfg.weight_decay, plan.cfg.label_smoothing, plan.config.backbone_blocks) == (0.01, 0.05, 1)
     assert plan.reasons["label_smoothing"] == plan.reasons["backbone_depth"] == "given"
+    layers = own_config(
+        few, tmp_path / "layers", val_size=0, overrides={**tiny_overrides("cifar10-conv"), "backbone_layers": 2}
+    )
+    plan = plan_run(layers, None, dist, cpu)  # the layers alone given: the blocks stay the config's, not the rule's
+    default_blocks = capserve.get_config("cifar10-conv").backbone_blocks
+    assert (plan.config.backbone_layers, plan.config.backbone_blocks) == (2, default_blocks) != (3, 4)
+    assert plan.reasons["backbone_depth"] == "given" and plan.cfg.weight_decay == 0.5  # the rest of the rule holds
 
     usual = (0.05, 0.1, 2)
     for name, classes, per_class in (("ten", 10, 3), ("enough", 11, 64)):

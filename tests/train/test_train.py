@@ -14,17 +14,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
+from support import real_images
+from support.busy import busy_core
 from support.data import cfg, write_easy_cifar10, write_mnist
 from support.models import tiny_input, tiny_model, tiny_overrides
 
 import capserve
 import capserve.data
 import capserve.train.cli
+import capserve.train.loop
 from capserve.cli import main
 from capserve.data.preprocess import normalize
 from capserve.evaluate import metrics as ev
 from capserve.files import swap_names
+from capserve.train.amp import deterministic_kernels
 from capserve.train.config import TrainConfig, lr_factor
 from capserve.train.loop import drop_unsaved_epochs, improves, train
 from capserve.train.state import load_state, save_state
@@ -322,6 +327,18 @@ def test_cli_errors(cifar, tmp_path, capsys):
     assert "not a model folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--lr", "nan"), ("--time-budget", "nan"), ("--weight-decay", "inf"), ("--grad-clip", "inf")]
+)
+def test_a_nan_or_inf_flag_is_refused_in_one_line(cifar, tmp_path, capsys, flag, value):
+    """nan compares False with every bound (``nan <= 0`` is False): without a check of its own it passes them all and
+    trains on nothing, or never stops. Refused before anything is written."""
+    out = tmp_path / "run"
+    assert main(["train", "--model", "cifar10-simple", "--data", str(cifar), "--out", str(out), flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"capserve train: error: {flag} must be a finite number, got {value}"] and not out.exists()
+
+
 KILLED_RUN = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -371,6 +388,81 @@ def test_a_run_killed_at_a_random_point_resumes_to_the_uninterrupted_weights(cif
     logged = [json.loads(line) for line in (part / "metrics.jsonl").read_text().splitlines()]
     expected = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["train_loss"]) for r in logged] == [(r["epoch"], r["train_loss"]) for r in expected]
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    """The real CIFAR-10 photographs of three classes (of the 200 fixtures) as a user's folder of label folders."""
+    images, classes = real_images.cifar10()
+    root = tmp_path_factory.mktemp("photos")
+    for k, (image, label) in enumerate(zip(images, classes, strict=True)):
+        if label >= 3:
+            continue
+        (root / f"class{label}").mkdir(exist_ok=True)
+        Image.fromarray(image.transpose(1, 2, 0)).save(root / f"class{label}" / f"{k}.png")
+    return root
+
+
+def test_seeded_runs_on_a_busy_machine_match_and_a_killed_run_resumes_to_them(photos, tmp_path):
+    """``capserve train --data FOLDER`` as a user runs it (the own-data model and recipe, whose kernels are the
+    ones that matter), on two threads, with another process spinning beside it: two runs with one seed end with
+    the same weights and optimizer state to the bit, and so does a run killed after its first checkpoint and
+    resumed (``deterministic_kernels``)."""
+    args = [sys.executable, "-m", "capserve.cli", "train", "--data", str(photos), "--epochs", "2", "--seed", "3"]
+    args += ["--batch-size", "16", "--no-test", "--device", "cpu"]  # a smaller batch: the weights' gradients are whole
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+
+    def run(out: Path) -> None:
+        result = subprocess.run([*args, "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
+
+    with busy_core():
+        run(tmp_path / "a")
+        run(tmp_path / "b")
+        killed = subprocess.Popen([*args, "--out", str(tmp_path / "c")], env=env, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 300
+            while not (tmp_path / "c" / "last" / "trainer.json").is_file() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            killed.send_signal(signal.SIGKILL)
+        finally:
+            killed.kill()
+            killed.wait()
+        saved = json.loads((tmp_path / "c" / "last" / "trainer.json").read_text())["state"]
+        assert saved["epoch"] < 2, saved  # killed before the end
+        resumed = subprocess.run([*args[:3], "train", "--resume", str(tmp_path / "c")], env=env, capture_output=True)
+        assert resumed.returncode in (0, 1), resumed.stderr[-3000:]
+    for other in ("b", "c"):
+        for name in ("model.safetensors", "optimizer.safetensors"):
+            a, b = (load_file(str(tmp_path / run / "last" / name)) for run in ("a", other))
+            assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == [], (other, name)
+
+
+def test_a_cpu_run_trains_under_deterministic_kernels_and_restores_the_setting(cifar, tmp_path, monkeypatch):
+    """``train`` on a CPU runs every step with ``torch.use_deterministic_algorithms`` on, whatever the caller had,
+    without filling new tensors first (a cost that buys nothing here), and leaves the caller's settings (the warn-only
+    flag too) as they were, also when training fails."""
+    seen = []
+    real = capserve.train.loop._train
+
+    def spy(*args, **kwargs):
+        seen.append((torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(capserve.train.loop, "_train", spy)
+    train(cfg("cifar10-simple", cifar, tmp_path / "run", test=False, max_steps=1))
+    assert seen == [(True, False)] and not torch.are_deterministic_algorithms_enabled()
+    assert torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        monkeypatch.setattr(capserve.train.loop, "_train", lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
+        with pytest.raises(RuntimeError):
+            train(cfg("cifar10-simple", cifar, tmp_path / "failed", test=False))
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    with deterministic_kernels(torch.device("meta")):  # not a CPU: the caller's setting stands
+        assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_a_new_run_in_an_earlier_runs_folder_logs_and_sums_up_only_itself(cifar, tmp_path, caplog):
