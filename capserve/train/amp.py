@@ -204,7 +204,7 @@ def fastest_amp(
         return AmpCandidate(amp, bool(channels_last)), "given"
     can, why = bf16_support(device)
     if not can:
-        return AmpCandidate("off", bool(channels_last)), f"fp32: {why}"
+        return AmpCandidate("off", bool(channels_last)), f"no bf16 measured: {why}"
     if channels_last is None:
         candidates = list(CANDIDATES)
     else:

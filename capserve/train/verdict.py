@@ -83,9 +83,12 @@ def can_tell(prior: float, n: int) -> bool:
     return learned - 2 * standard_error(learned, n) > chance_level(prior, n)
 
 
-def images_to_tell(prior: float, most: int = 100_000) -> int:
-    """The fewest validation images that ``can_tell`` at ``prior`` (``most`` if none up to it)."""
-    return next((n for n in range(1, most) if can_tell(prior, n)), most)
+MOST_IMAGES = 100_000  # images_to_tell's answer where no split can tell (a prior of 100 %)
+
+
+def images_to_tell(prior: float) -> int:
+    """The fewest validation images that ``can_tell`` at ``prior`` (``MOST_IMAGES`` if none up to it)."""
+    return next((n for n in range(1, MOST_IMAGES) if can_tell(prior, n)), MOST_IMAGES)
 
 
 def has_learned(best: float, prior: float, n: int) -> bool:
@@ -126,13 +129,18 @@ def verdict(best: float, prior: float, n: int, answer: str, metric: str = "top-1
         return Verdict(True, "")
     if not can_tell(prior, n):
         needed = images_to_tell(prior)
+        more = (
+            f"it takes about {needed} validation images at this prior: give --val-size {needed} (or more), a val/ "
+            "split, or more images"
+            if needed < MOST_IMAGES
+            else "no number of images can at this prior: give a validation split with other answers"
+        )
         return Verdict(
             None,
             f"the validation split ({n} images) is too small to tell a model that learned from one that did not: "
             f"{scored}, against {always}. On {n} images a model that learned nothing reaches up to "
             f"{100 * min(chance, 1):.1f} % by chance, and one that learned can score below that; clear of chance "
-            f"takes {clears}. best/ is not marked. To tell, it takes about {needed} validation images at this prior: "
-            f"give --val-size {needed} (or more), a val/ split, or more images",
+            f"takes {clears}. best/ is not marked. To tell, {more}",
         )
     if best > chance:
         return Verdict(

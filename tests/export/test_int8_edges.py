@@ -103,7 +103,9 @@ def test_a_gate_smaller_than_the_held_out_split_draws_every_label(three_splits, 
     np.testing.assert_array_equal(cal.held_out, again.held_out)  # seeded
 
 
-AS_THE_FIXTURE = {"keep_slow": True, "max_accuracy_loss": 1.0, "max_float_nodes": 0}  # the int8_file export's options
+# the int8_file export's options; one variant: on a CPU without int8 dot products the fastest of several is kept, and
+# which is fastest swings with the load, so that a second export at the same bound could keep another graph
+AS_THE_FIXTURE = {"keep_slow": True, "max_accuracy_loss": 1.0, "max_float_nodes": 0, "variants": ("u8s8",)}
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,7 @@ def test_without_native_bf16_nothing_is_measured_and_the_run_trains_in_fp32(monk
     cpu_with_bf16(monkeypatch, native=False)
     times = StepTimes(0.30, 0.01, 0.01)  # were it measured, bf16 would win: it must not be
     chosen, why = fastest_amp("auto", None, get_config("cifar10-simple"), 32, CPU, measure=times)
-    assert chosen == FP32 and times.calls == [] and why == "fp32: x86_64 CPU without bf16 instructions"
+    assert chosen == FP32 and times.calls == [] and why == "no bf16 measured: x86_64 CPU without bf16 instructions"
 
 
 def test_a_gpu_without_bf16_trains_in_fp32_and_measures_nothing(monkeypatch):
@@ -87,7 +87,7 @@ def test_a_gpu_without_bf16_trains_in_fp32_and_measures_nothing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
     times = StepTimes(0.30, 0.01, 0.01)
     chosen, why = fastest_amp("auto", None, get_config("cifar10-simple"), 32, torch.device("cuda"), measure=times)
-    assert chosen == FP32 and times.calls == [] and why == "fp32: Tesla T4 has no bf16 arithmetic"
+    assert chosen == FP32 and times.calls == [] and why == "no bf16 measured: Tesla T4 has no bf16 arithmetic"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     chosen, why = fastest_amp("auto", None, get_config("cifar10-simple"), 32, torch.device("cuda"), measure=times)
     assert chosen == BF16 and why.startswith("measured a training step at batch 32 (Tesla T4 computes in bf16)")

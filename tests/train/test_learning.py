@@ -446,6 +446,7 @@ def test_a_small_split_that_cannot_tell_says_so_and_does_not_fail_a_run_above_th
         (0.62, 0.4, 100, True, ""),
         (1.0, 0.4, 5, None, "it takes about 29 validation images at this prior: give --val-size 29"),
         (0.2, 0.4, 5, None, "too small to tell a model that learned from one that did not"),
+        (1.0, 1.0, 50, None, "no number of images can at this prior: give a validation split with other answers"),
     ],
 )
 def test_the_verdict_by_its_figures(best, prior, n, learned, says):

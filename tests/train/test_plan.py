@@ -31,6 +31,7 @@ from capserve.train.optimizer import make_optimizer
 from capserve.train.plan import RESUMED, label_smoothing, plan_run
 
 REASONS = {
+    "amp",
     "optimizer",
     "schedule",
     "batch_size",
