@@ -87,8 +87,17 @@ def write_easy_cifar10(root: Path, n_per_batch: int = 12, n_test: int = 20) -> P
 
 
 def cfg(model: str, data: Path, out: Path, **kw) -> TrainConfig:
+    # fp32 unless a test asks otherwise: --amp auto would train in bf16 on a CPU with native bf16, and these runs'
+    # figures must not depend on the CPU that runs them (tests/train/test_amp.py tests the choice on stand-ins)
     base = dict(
-        overrides=tiny_overrides(model), epochs=2, batch_size=16, lr=0.05, val_size=12, eval_batch_size=32, device="cpu"
+        overrides=tiny_overrides(model),
+        epochs=2,
+        batch_size=16,
+        lr=0.05,
+        val_size=12,
+        eval_batch_size=32,
+        device="cpu",
+        amp="off",
     )
     return TrainConfig(model=model, data=str(data), out=str(out), **{**base, **kw})
 
