@@ -4,13 +4,24 @@ process killed (or failing) half-way leaves what was there before, whole, and no
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["partial_file", "recover_directory", "replacing_directory", "swap_names", "write_whole"]
+__all__ = [
+    "CACHE_VARIABLE",
+    "cache_file",
+    "keep_cached",
+    "partial_file",
+    "read_cached",
+    "recover_directory",
+    "replacing_directory",
+    "swap_names",
+    "write_whole",
+]
 
 log = logging.getLogger(__name__)
 
@@ -75,3 +86,36 @@ def recover_directory(directory: str | Path) -> None:
     else:
         os.rename(old, directory)
         log.warning("%s: restored the checkpoint a killed run had set aside", directory)
+
+
+# ------------------------------------------------------------------------------------------ measurements kept
+
+
+CACHE_VARIABLE = "CAPSERVE_CACHE_DIR"  # where measurements of this machine are kept (``cache_file``)
+
+
+def cache_file(name: str) -> Path:
+    """The file ``name`` among the measurements kept for this machine (training's step times, the server's runtime
+    speeds): in ``$CAPSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/capserve`` (by default ``~/.cache/capserve``)."""
+    if os.environ.get(CACHE_VARIABLE):
+        return Path(os.environ[CACHE_VARIABLE]) / name
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "capserve" / name
+
+
+def read_cached(path: Path) -> dict:
+    """The JSON object in ``path``; {} when there is none, or it is unreadable or not an object (measured again)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def keep_cached(path: Path, data: dict, what: str) -> None:
+    """Write ``data`` whole to ``path``; where it cannot be written (a read-only home), a warning that ``what``
+    is measured again next time, never an error: the measurement was made and is used."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_whole(path, json.dumps(data, indent=1) + "\n")
+    except OSError as e:
+        log.warning("cannot keep %s in %s (%s): measured again next time", what, path, e)

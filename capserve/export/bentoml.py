@@ -3,8 +3,9 @@
 The store keeps versioned tags (``bentoml models list``), ``bentoml build`` packs the models a bentofile names
 into the bento, and ``bentoml models push`` uploads them. The stored model is the whole serving folder:
 ``config.json``, ``model.safetensors``, ``model.onnx`` and ``model-explain.onnx`` (exported into the stored copy
-when the folder lacks them; the source folder is never written), a TensorRT engine with its sidecar when present,
-and ``MODEL_CARD.md``. The service serves it with ``CAPSERVE_MODEL=NAME[:VERSION]``.
+when the folder lacks them; the source folder is never written), the folder's other graphs (an INT8 graph,
+``model-int8.onnx``), a TensorRT engine with its sidecar when present, ``tuned.json`` and ``MODEL_CARD.md``. Every
+graph must have been exported from the folder's weights. The service serves it with ``CAPSERVE_MODEL=NAME[:VERSION]``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 ONNX, EXPLAIN_ONNX = "model.onnx", "model-explain.onnx"
 # copied when present; the tuned file travels with the model into a bento (capserve.serving.tuned)
 OPTIONAL = ("model.plan", "model.plan.json", "MODEL_CARD.md", "tuned.json")
+EXPORT_FLAGS = {ONNX: "", EXPLAIN_ONNX: " --explain"}  # how each graph is made; any other: an INT8 one
 MODULE = "capserve"  # the stored model's framework ("module") in `bentoml models list`
 
 
@@ -76,7 +78,11 @@ def save_to_store(directory: str | Path, name: str) -> str:
     labels, metadata = store_labels_and_metadata(directory)
     config = read_config(directory)
     digests = {metadata["weights_sha256"]}  # what `capserve export onnx DIR` records
-    for graph in (ONNX, EXPLAIN_ONNX):
+    # every graph in the folder: the fp32 ones first (an INT8 graph, model-int8.onnx, is a runtime the server may
+    # choose, by a tuned file or its start-up measurement)
+    others = sorted(path.name for path in directory.glob("*.onnx") if path.name not in (ONNX, EXPLAIN_ONNX))
+    graphs = (ONNX, EXPLAIN_ONNX, *others)
+    for graph in graphs:
         if (directory / graph).is_file() and len(digests) == 1:
             import capserve
 
@@ -87,12 +93,12 @@ def save_to_store(directory: str | Path, name: str) -> str:
             raise ExportError(
                 f"{directory / graph} was exported from other weights than {directory / WEIGHTS}: "
                 f"re-export it (`capserve export onnx {directory} -o {directory / graph}"
-                f"{' --explain' if graph == EXPLAIN_ONNX else ''}`) or delete it"
+                f"{EXPORT_FLAGS.get(graph, ' --int8 --calibration DATA')}`) or delete it"
             )
     try:
         with bentoml.models.create(name, labels=labels, metadata=metadata, module=MODULE) as stored:
             target = Path(stored.path)
-            for file in (CONFIG, WEIGHTS, ONNX, EXPLAIN_ONNX, *OPTIONAL):
+            for file in (CONFIG, WEIGHTS, *graphs, *OPTIONAL):
                 if (directory / file).is_file():
                     shutil.copy2(directory / file, target / file)
             for graph, explain in ((ONNX, False), (EXPLAIN_ONNX, True)):

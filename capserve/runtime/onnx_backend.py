@@ -355,5 +355,5 @@ def check_int8(runtime: OnnxRuntime) -> str:
             f"{runtime.path} is not served on this CPU ({cpu_info().describe()}): {measured}; its int8 kernels "
             f"compute otherwise: {redo}"
         )
-    log.info("%s: int8 verified on this machine: %s", runtime.path, measured)
+    log.debug("%s: int8 verified on this machine: %s", runtime.path, measured)  # GET /model says it too
     return f"int8 verified on this machine: {measured}"

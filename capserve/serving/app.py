@@ -9,6 +9,7 @@ it (its exception types, its version); adaptive batching is ``capserve.serving.b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import asdict
@@ -25,7 +26,7 @@ from capserve.pipeline.decoding import Upload, decode
 from capserve.pipeline.errors import ErrorKind, RequestError
 from capserve.pipeline.explain import explained
 from capserve.pipeline.inference import logits_of
-from capserve.pipeline.models import ARTIFACTS, EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model
+from capserve.pipeline.models import ARTIFACTS, EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model, resolve_model
 from capserve.pipeline.schemas import Classification, Explained, MultiLabel
 from capserve.runtime import Runtime
 from capserve.serving.batching import (
@@ -141,8 +142,22 @@ class Capsules:
         """The multi-label model's runtime and source; (None, None) when the server is started without one."""
         if settings.multilabel_model.lower() == "none":
             return None, None
+        # the graph a tuned file or the start-up measurement chose is the single-label folder's: the multi-label
+        # model serves the graph of that name in its own folder where it has one that opens here (an INT8 graph
+        # re-checks its decisions on this CPU), else its model.onnx
+        folder = resolve_model(settings.multilabel_model).path
+        default = dataclasses.replace(settings, artifact=None)
+        if settings.artifact and not (folder / settings.artifact).is_file():
+            log.info("%s has no %s: serving its %s", folder, settings.artifact, ARTIFACTS[settings.backend])
+            settings = default
         # no explanation graph: /explain serves the single-label model only
-        runtime, _, source = open_model(settings.multilabel_model, settings, explain=False)
+        try:
+            runtime, _, source = open_model(settings.multilabel_model, settings, explain=False)
+        except ConfigurationError as e:
+            if settings is default:
+                raise
+            log.warning("serving %s's %s instead: %s", folder, ARTIFACTS[settings.backend], e)
+            runtime, _, source = open_model(settings.multilabel_model, default, explain=False)
         if runtime.metadata.task != "multi_label":
             raise ConfigurationError(
                 f"CAPSERVE_MULTILABEL_MODEL={settings.multilabel_model} is a "

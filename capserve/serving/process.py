@@ -26,6 +26,7 @@ from typing import Any
 from capserve.errors import ConfigurationError
 from capserve.serving.guard import QuietClientErrors
 from capserve.serving.routes import FILE_FIELDS, LIST_FIELDS, route_parameters, unavailable_routes
+from capserve.serving.runtimes import fastest_runtime, workers_environment
 from capserve.serving.settings import Settings, bento_environment
 from capserve.serving.tuned import apply_tuned
 from capserve.serving.workers import Worker, assign, current_index, worker_count
@@ -149,6 +150,9 @@ def prepare_server_process() -> None:
     - Without a tracing exporter, requests skip OpenTelemetry (``untraced_without_exporter``).
     """
     logging.getLogger("bentoml._internal.server.http_app").addFilter(QuietClientErrors())
+    capserve_log = logging.getLogger("capserve")
+    if capserve_log.level == logging.NOTSET:  # BentoML's root logger shows warnings only: capserve says its choices
+        capserve_log.setLevel(logging.INFO)
     untraced_without_exporter()
     if threading.current_thread() is not threading.main_thread():
         return  # imported by a test or a tool, not by a server: signal handlers are the main thread's
@@ -197,17 +201,20 @@ def untraced_without_exporter() -> bool:
 
 
 def settings_or_exit(env: Mapping[str, str] | None = None) -> Settings:
-    """``Settings.from_env()`` with the tuned file's choices (``apply_tuned``) for the service module's import: a
-    bad setting stops the server with one line and exit status 3, as a model that cannot load does, where BentoML
-    1.4.40 turns an exception at the service's import into a traceback and status 1. To tell when upstream says it
-    in one line: let the error raise and run tests/serving/test_service.py's
+    """``Settings.from_env()`` with the tuned file's choices (``apply_tuned``), else the runtime measured fastest
+    here (``fastest_runtime``: in the ``bentoml serve`` process, which hands it to the workers it starts next), for
+    the service module's import: a bad setting stops the server with one line and exit status 3, as a model that
+    cannot load does, where BentoML 1.4.40 turns an exception at the service's import into a traceback and status
+    1. To tell when upstream says it in one line: let the error raise and run tests/serving/test_service.py's
     ``test_bad_setting_fails_startup_without_a_traceback``."""
     env = os.environ if env is None else env
     try:
-        return apply_tuned(Settings.from_env(env), env)
+        settings = fastest_runtime(apply_tuned(Settings.from_env(env), env), env)
     except ConfigurationError as e:
         print(f"capserve cannot start: {e}", file=sys.stderr, flush=True)
         raise SystemExit(FAILED_START_EXIT_CODE) from None
+    os.environ.update(workers_environment(settings))  # the workers, started after this, serve what was measured
+    return settings
 
 
 def workers_or_exit(settings: Settings) -> int:

@@ -38,9 +38,9 @@ import numpy as np
 
 from capserve.errors import UsageError
 from capserve.hardware import CpuInfo, cpu_info
-from capserve.pipeline.models import ARTIFACTS, EXPLAIN_ARTIFACT, resolve_model
+from capserve.pipeline.models import resolve_model
 from capserve.serving.loadtest import load, random_png, running_server
-from capserve.serving.settings import Settings
+from capserve.serving.runtimes import Candidate, runtime_candidates
 from capserve.serving.tuned import CORE_CHOICES, RUNTIME_CHOICES, TUNED_FILE, TUNED_VARIABLE, Tuned, write_tuned
 from capserve.serving.workers import visible_gpus
 
@@ -49,15 +49,12 @@ __all__ = [
     "CONCURRENCY",
     "DEFAULT_BUDGET_S",
     "TIE",
-    "Candidate",
     "Measurement",
     "Tuning",
     "add_arguments",
     "choose",
-    "int8_graphs",
     "measure_server",
     "run",
-    "runtime_candidates",
     "table_of",
     "tune",
 ]
@@ -74,65 +71,6 @@ DEFAULT_BUDGET_S = 120.0  # --budget: about two minutes
 
 
 BATCH_SIZES = (16, 64)  # CAPSERVE_MAX_BATCH_SIZE tried beside the default (Settings.max_batch_size)
-
-
-RUNTIME_ORDER = {"onnxruntime fp32": 0, "onnxruntime int8": 1, "torch bf16": 2, "onnxruntime cuda": 3, "tensorrt": 4}
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One server configuration: its runtime (backend, precision, the graph file for onnxruntime, device) and its
-    workers, intra-op threads per worker and largest adaptive batch."""
-
-    runtime: str = "onnxruntime fp32"  # a key of RUNTIME_ORDER
-    backend: str = "onnxruntime"
-    precision: str = "auto"
-    artifact: str | None = None  # onnxruntime's graph in the model folder; None: model.onnx
-    device: str = "cpu"
-    workers: int = 1
-    threads: int = 1
-    max_batch_size: int = Settings.max_batch_size
-
-    def environment(self) -> dict[str, str]:
-        """The ``CAPSERVE_*`` variables that make a server this candidate (its graph: ``settings``'s artifact)."""
-        return {
-            "CAPSERVE_BACKEND": self.backend,
-            "CAPSERVE_PRECISION": self.precision,
-            "CAPSERVE_DEVICE": self.device,
-            "CAPSERVE_WORKERS": str(self.workers),
-            "CAPSERVE_THREADS": str(self.threads),
-            "CAPSERVE_MAX_BATCH_SIZE": str(self.max_batch_size),
-        }
-
-    def settings(self) -> dict[str, object]:
-        """This candidate as a tuned file's settings (capserve.serving.tuned.CHOICES)."""
-        chosen: dict[str, object] = {
-            "backend": self.backend,
-            "precision": self.precision,
-            "workers": self.workers,
-            "threads": self.threads,
-            "max_batch_size": self.max_batch_size,
-        }
-        return {**chosen, "artifact": self.artifact} if self.artifact else chosen
-
-    def label(self) -> str:
-        threads = "thread" if self.threads == 1 else "threads"
-        workers = "worker" if self.workers == 1 else "workers"
-        return (
-            f"{self.runtime}{f' ({self.artifact})' if self.artifact else ''}, {self.workers} {workers} x "
-            f"{self.threads} {threads}, batch {self.max_batch_size}"
-        )
-
-    def simplicity(self, cores: int) -> tuple[int, ...]:
-        """Smaller is simpler: fewer workers, the default runtime, the default batch, each worker with its share
-        of the cores (the default threads), then fewer threads."""
-        return (
-            self.workers,
-            RUNTIME_ORDER.get(self.runtime, len(RUNTIME_ORDER)),
-            int(self.max_batch_size != Settings.max_batch_size),
-            int(self.threads != max(1, cores // self.workers)),
-            self.threads,
-        )
 
 
 @dataclass(frozen=True)
@@ -174,47 +112,6 @@ def choose(measurements: Sequence[Measurement], cores: int, tie: float = TIE) ->
     best = max(m.requests_per_s for m in valid)
     near = [m for m in valid if m.requests_per_s >= best * (1 - tie)]
     return min(near, key=lambda m: (m.candidate.simplicity(cores), -m.requests_per_s))
-
-
-def int8_graphs(folder: Path) -> list[str]:
-    """The INT8 graphs in a model folder: ``.onnx`` files (not the fp32 ``model.onnx`` or an explanation graph)
-    that ONNX Runtime loads with precision int8 (as ``capserve export onnx --int8`` writes them). Nothing is
-    quantized here."""
-    from capserve.runtime import load_runtime
-
-    found = []
-    for path in sorted(folder.glob("*.onnx")):
-        if path.name in (ARTIFACTS["onnxruntime"], EXPLAIN_ARTIFACT) or path.name.endswith("-explain.onnx"):
-            continue
-        try:
-            runtime = load_runtime(path, "onnxruntime", "cpu", threads=1)
-        except Exception as e:  # not a graph capserve serves here (the runtime says why): not a candidate
-            log.warning("not measuring %s: %s", path, e)
-            continue
-        if runtime.precision == "int8":
-            found.append(path.name)
-    return found
-
-
-def runtime_candidates(folder: Path, cores: int, gpus: int) -> list[Candidate]:
-    """Step 1's candidates that apply to ``folder`` on this machine, the default first."""
-    from capserve.runtime.precision import native_bf16
-
-    share = dict(workers=1, threads=max(1, cores))
-    out = []
-    if (folder / ARTIFACTS["onnxruntime"]).is_file():
-        out.append(Candidate(**share))
-        out += [Candidate("onnxruntime int8", artifact=name, **share) for name in int8_graphs(folder)]
-    if native_bf16().native:
-        out.append(Candidate("torch bf16", backend="torch", precision="bf16", **share))
-    if gpus:
-        import onnxruntime
-
-        if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
-            out.append(Candidate("onnxruntime cuda", device="cuda", workers=gpus, threads=1))
-        if (folder / ARTIFACTS["tensorrt"]).is_file():
-            out.append(Candidate("tensorrt", backend="tensorrt", device="cuda", workers=gpus, threads=1))
-    return out
 
 
 def worker_candidates(best: Candidate, cores: int) -> list[Candidate]:

@@ -22,7 +22,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +35,7 @@ import torch.utils.deterministic
 from torch import nn
 
 from capserve.configs import ModelConfig
-from capserve.files import write_whole
+from capserve.files import cache_file, keep_cached, read_cached
 from capserve.hardware import cpu_info
 from capserve.model.factory import build_model
 from capserve.runtime.precision import native_bf16
@@ -45,7 +44,6 @@ from capserve.train.distributed import Dist
 
 __all__ = [
     "BF16_MIN_SPEEDUP",
-    "CACHE_VARIABLE",
     "CANDIDATES",
     "CHANNELS_LAST_MIN_SPEEDUP",
     "AmpCandidate",
@@ -64,7 +62,6 @@ CHANNELS_LAST_MIN_SPEEDUP = 1.02  # channels-last bf16 over plain bf16
 ROUNDS = 3  # interleaved rounds of every candidate
 STEPS = 2  # timed steps per candidate and round, after one warm-up step per round
 HOPELESS = 3.0  # a candidate whose warm-up step takes this many times the fastest one's is measured no further
-CACHE_VARIABLE = "CAPSERVE_CACHE_DIR"  # where measured step times are kept (``cache_path``)
 CACHE_FILE = "train-precision.json"
 
 log = logging.getLogger(__name__)
@@ -216,20 +213,8 @@ def fastest_amp(
 
 
 def cache_path() -> Path:
-    """Where measured step times are kept: ``$CAPSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/capserve`` (by default
-    ``~/.cache/capserve``), file ``CACHE_FILE``."""
-    if os.environ.get(CACHE_VARIABLE):
-        return Path(os.environ[CACHE_VARIABLE]) / CACHE_FILE
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "capserve" / CACHE_FILE
-
-
-def _read_json(path: Path) -> dict:
-    """The JSON object in ``path``; {} when there is none, or it is unreadable or not an object."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    """Where measured step times are kept (``capserve.files.cache_file``)."""
+    return cache_file(CACHE_FILE)
 
 
 def measured_seconds(
@@ -250,18 +235,14 @@ def measured_seconds(
     )
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
     path = cache_path()
-    kept = _read_json(path)
+    kept = read_cached(path)
     try:
         return {c: float(kept[key]["seconds"][c.label()]) for c in candidates}, path
     except (KeyError, TypeError, ValueError):  # not measured here yet (or a damaged entry): measure
         pass
     seconds = measure(config, batch_size, device, candidates)
     kept[key] = {"seconds": {c.label(): s for c, s in seconds.items()}, "cpu": what["cpu"], "batch": batch_size}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_whole(path, json.dumps(kept, indent=1) + "\n")
-    except OSError as e:  # a read-only home: the next run measures again
-        log.warning("cannot keep the measured step times in %s (%s): the next run measures again", path, e)
+    keep_cached(path, kept, "the measured step times")
     return seconds, None
 
 

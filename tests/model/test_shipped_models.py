@@ -29,8 +29,8 @@ def test_shipped_weights_are_the_ones_the_onnx_files_were_exported_from(name):
     directory = MODELS[name]
     digest = hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest()
     config = capserve.read_config(directory)
-    for artifact in ("model.onnx", "model-explain.onnx"):
-        meta = load_runtime(directory / artifact).metadata
+    for artifact in ("model.onnx", "model-explain.onnx", "model-int8.onnx"):
+        meta = load_runtime(directory / artifact).metadata  # the INT8 graph re-checked on this CPU as it opens
         assert meta.weights_sha256 == digest, f"{artifact} was exported from other weights than model.safetensors"
         assert (meta.name, meta.labels, meta.iterations, meta.thresholds) == (
             config.name,
@@ -54,7 +54,7 @@ def scores(name: str, runtime) -> float:
 BOUNDS = {"cifar10": real_images.CIFAR10_MIN_TOP1, "multimnist": real_images.MULTIMNIST_MIN_EXACT_MATCH}
 
 
-@pytest.mark.parametrize("artifact", ["torch", "model.onnx"])
+@pytest.mark.parametrize("artifact", ["torch", "model.onnx", "model-int8.onnx"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_shipped_models_score_real_test_images(name, artifact):
     runtime = load_runtime(MODELS[name] if artifact == "torch" else MODELS[name] / artifact)
@@ -72,3 +72,18 @@ def test_shipped_explain_graph_agrees_with_the_plain_graph(name):
     np.testing.assert_allclose(explanation.logits, plain.predict(x), atol=1e-4)
     parse = explanation.part_whole  # (B, C, H, W, I): each grid capsule's routing over the classes sums to 1
     np.testing.assert_allclose(parse.sum(axis=1), np.ones_like(parse[:, 0]), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_shipped_int8_graphs_passed_their_gates_without_being_forced(name):
+    """The INT8 graph a server may choose at start-up (``capserve.serving.runtimes``) was written by the export's
+    gates as they stand: agreement with fp32 and accuracy lost within their bounds, faster than fp32 where it was
+    exported, nothing forced."""
+    from capserve.export.int8 import read_summary
+
+    summary = read_summary(MODELS[name] / "model-int8.onnx")
+    assert not summary.forced and not summary.kept_slow
+    assert summary.agreement >= summary.bound and summary.gate_images >= 1000
+    assert summary.fp32_accuracy - summary.int8_accuracy <= summary.max_accuracy_loss + 1e-9
+    assert summary.speedup >= summary.min_speedup
+    assert summary.calibration.startswith("DATA/")  # no host path in a shipped file

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import io
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -837,6 +838,29 @@ def test_export_bentoml_refuses_stale_graphs_and_non_models(models, tmp_path, ca
     assert "was exported from other weights" in capsys.readouterr().err
     assert main(["export", "bentoml", str(tmp_path), "--name", "x"]) == 2
     assert "is not a model directory" in capsys.readouterr().err
+    (stale / "model.onnx").unlink()  # its own graphs, and an INT8-named one from another model
+    (stale / "model-int8.onnx").write_bytes((models["cifar10"] / "model.onnx").read_bytes())
+    assert main(["export", "bentoml", str(stale), "--name", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "model-int8.onnx was exported from other weights" in err and "--int8 --calibration DATA`" in err
+
+
+def test_export_bentoml_carries_the_folders_other_graphs(models, tmp_path):
+    """Every graph in the folder travels into the store (an INT8 graph a tuned file or the start-up measurement
+    may choose): a server of NAME finds it there."""
+    folder = tmp_path / "model"
+    shutil.copytree(models["cifar10"], folder)
+    shutil.copy(folder / "model.onnx", folder / "model-int8.onnx")  # same weights: what matters here is the copy
+    env = {**os.environ, "BENTOML_HOME": str(tmp_path / "bentoml"), "BENTOML_DO_NOT_TRACK": "True"}
+    script = (
+        "import sys; from capserve.cli import main; sys.exit(main(['export', 'bentoml', sys.argv[1], '--name', 'm']))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(folder)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (stored_folder,) = (tmp_path / "bentoml" / "models" / "m").glob("*/")
+    assert (stored_folder / "model-int8.onnx").read_bytes() == (folder / "model-int8.onnx").read_bytes()
 
 
 def test_serving_from_the_model_store(store, eager):

@@ -19,6 +19,7 @@ from support.models import tiny_overrides
 import capserve.train.amp as amp
 from capserve.cli import main
 from capserve.configs import ModelConfig, get_config
+from capserve.files import CACHE_VARIABLE
 from capserve.runtime.precision import Bf16Support
 from capserve.train.amp import BF16_MIN_SPEEDUP, CHANNELS_LAST_MIN_SPEEDUP, AmpCandidate, choose, fastest_amp
 from capserve.train.config import TrainConfig, read_resume_config
@@ -122,10 +123,10 @@ def test_a_machine_measures_once_and_every_later_run_makes_the_same_choice(monke
     assert fastest_amp("auto", None, config, 32, CPU, measure=again)[0] == FP32 and len(again.calls) == 2
     blocked = tmp_path / "a-file"
     blocked.write_text("")
-    monkeypatch.setenv(amp.CACHE_VARIABLE, str(blocked / "cache"))  # below a file: cannot be made
+    monkeypatch.setenv(CACHE_VARIABLE, str(blocked / "cache"))  # below a file: cannot be made
     with caplog.at_level("WARNING", logger="capserve"):
         assert fastest_amp("auto", None, config, 32, CPU, measure=first)[0] == BF16_CL
-    assert "the next run measures again" in caplog.text
+    assert "measured again next time" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------ in a run
