@@ -27,7 +27,7 @@ from bench_finetune_speed import step_rate
 from capserve.configs import get_config
 from capserve.hardware import cpu_info
 from capserve.model.factory import build_model
-from capserve.train.plan import OWN_BACKBONE
+from capserve.train.rules import OWN_BACKBONE
 
 
 @torch.no_grad()

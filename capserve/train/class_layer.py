@@ -7,7 +7,6 @@ shared class transforms where several labels follow where things lie".
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from capserve.configs import ModelConfig
@@ -23,13 +22,12 @@ OWN_CLASS_GRID = 2
 OWN_ALIGNED_MULTI_LABEL = {"pose": "vector", "class_grid": 1}
 
 
-def chooses_class_weights(cfg: TrainConfig, config: ModelConfig, resume: str | Path | None) -> bool:
-    """Whether a run picks its class capsule transforms from its data: a new run from scratch on a user's images, of
-    an attention capsule model whose class layer reads a grid, without ``--set class_weights=...`` or
+def chooses_class_weights(cfg: TrainConfig, config: ModelConfig) -> bool:
+    """Whether a run picks its class capsule transforms from its data: a run from scratch on a user's images, of an
+    attention capsule model whose class layer reads a grid, without ``--set class_weights=...`` or
     ``class_grid=...``."""
     return (
-        resume is None
-        and not cfg.init
+        not cfg.init
         and not {"class_weights", "class_grid"} & cfg.overrides.keys()
         and config.has_routing
         and config.routing_algorithm == "attention"

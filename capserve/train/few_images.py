@@ -15,16 +15,24 @@ slow a short run down. docs/own-data.md, "Many classes from few images" and
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+from collections.abc import Callable
 
 from capserve.configs import ModelConfig, get_config
 from capserve.data.mirror import measure_mirror
 from capserve.data.own import Manifest
-from capserve.data.placement import measure_placement
+from capserve.data.placement import Placement
 from capserve.data.splits import Split
 from capserve.train.config import TrainConfig
 
-__all__ = ["FEW_IMAGES", "FEW_IMAGES_A_CLASS", "MANY_CLASSES", "few_images", "few_images_augment", "images_a_class"]
+__all__ = [
+    "FEW_IMAGES",
+    "FEW_IMAGES_A_CLASS",
+    "MANY_CLASSES",
+    "few_images",
+    "images_a_class",
+    "recipe",
+    "shift_and_mirror",
+]
 
 # more labels than this, each with fewer training images than FEW_IMAGES_A_CLASS (after validation is carved)
 MANY_CLASSES = 10
@@ -40,19 +48,29 @@ def images_a_class(manifest: Manifest) -> float:
 
 
 def few_images(
-    cfg: TrainConfig, given: TrainConfig, manifest: Manifest | None, resume: str | Path | None
+    cfg: TrainConfig, given: TrainConfig, manifest: Manifest, train: Split, placement: Callable[[], Placement]
 ) -> tuple[TrainConfig, dict[str, str]]:
-    """``cfg`` with ``FEW_IMAGES`` where a new run from scratch of an attention capsule network learns more than
-    ``MANY_CLASSES`` labels of a user's single-label images from fewer than ``FEW_IMAGES_A_CLASS`` training images a
-    class, and why, under ``few_images`` and the key of each choice it made (``weight_decay``, ``label_smoothing``,
-    ``backbone_depth``). What the user gave stays: ``--weight-decay``, ``--label-smoothing``, ``--set
-    backbone_blocks=N`` (or ``backbone_layers``); the weight decay is AdamW's, the blocks the conv backbone's."""
-    if manifest is None or resume is not None or cfg.init or manifest.task != "single_label":
-        return cfg, {}
+    """``cfg`` with both recipes for few pictures a class where they apply to a run from scratch of an attention
+    capsule network on a user's single-label images (``recipe``, then ``shift_and_mirror``), and why, under the key
+    of each choice. ``placement`` measures where things lie in ``train`` (once, shared with the class layer's
+    choice)."""
     config = get_config(cfg.model, **cfg.overrides)
-    classes, per_class = len(manifest.labels), images_a_class(manifest)
-    if not config.has_routing or config.routing_algorithm != "attention":
+    if cfg.init or manifest.task != "single_label" or not config.has_routing or config.routing_algorithm != "attention":
         return cfg, {}
+    cfg, reasons = recipe(cfg, given, manifest, config)
+    cfg, augment = shift_and_mirror(cfg, manifest, train, placement)
+    return cfg, {**reasons, **augment}
+
+
+def recipe(
+    cfg: TrainConfig, given: TrainConfig, manifest: Manifest, config: ModelConfig
+) -> tuple[TrainConfig, dict[str, str]]:
+    """``cfg`` with ``FEW_IMAGES`` where the run learns more than ``MANY_CLASSES`` labels from fewer than
+    ``FEW_IMAGES_A_CLASS`` training images a class, and why, under ``few_images`` and the key of each choice it made
+    (``weight_decay``, ``label_smoothing``, ``backbone_depth``). What the user gave stays: ``--weight-decay``,
+    ``--label-smoothing``, ``--set backbone_blocks=N`` (or ``backbone_layers``); the weight decay is AdamW's, the
+    blocks the conv backbone's."""
+    classes, per_class = len(manifest.labels), images_a_class(manifest)
     if classes <= MANY_CLASSES or per_class >= FEW_IMAGES_A_CLASS:
         return cfg, {}
     why = f"{classes} classes from {per_class:.0f} training images a class"
@@ -71,23 +89,19 @@ def few_images(
     return dataclasses.replace(cfg, **changes), reasons
 
 
-def few_images_augment(
-    cfg: TrainConfig, config: ModelConfig, manifest: Manifest, train: Split, resume: str | Path | None
+def shift_and_mirror(
+    cfg: TrainConfig, manifest: Manifest, train: Split, placement: Callable[[], Placement]
 ) -> tuple[TrainConfig, dict[str, str]]:
-    """``cfg`` with ``--augment crop-flip`` where a new run from scratch of an attention capsule network, without
-    ``--augment``, learns a user's single-label images from fewer than ``FEW_IMAGES_A_CLASS`` training images a class
-    whose labels follow where things lie and survive a mirror (both measured on ``train``), and why (under
-    ``augment``); with ``none``, and why, where things lie anywhere or a mirror may change the labels."""
-    if cfg.augment is not None or resume is not None or cfg.init or manifest.task != "single_label":
-        return cfg, {}
-    if not config.has_routing or config.routing_algorithm != "attention":
-        return cfg, {}
+    """``cfg`` with ``--augment crop-flip`` where the run, without ``--augment``, learns from fewer than
+    ``FEW_IMAGES_A_CLASS`` training images a class whose labels follow where things lie and survive a mirror (both
+    measured on ``train``), and why (under ``augment``); with ``none``, and why, where things lie anywhere or a mirror
+    may change the labels."""
     per_class = images_a_class(manifest)
-    if per_class >= FEW_IMAGES_A_CLASS:
+    if cfg.augment is not None or per_class >= FEW_IMAGES_A_CLASS:
         return cfg, {}
-    placement = measure_placement(train.images, train.targets, cfg.seed)
-    if not placement.aligned:
-        why = f"{per_class:.0f} training images a class, but {placement.reason()}: a shift adds no new view of them"
+    where = placement()
+    if not where.aligned:
+        why = f"{per_class:.0f} training images a class, but {where.reason()}: a shift adds no new view of them"
         return dataclasses.replace(cfg, augment="none"), {"augment": why}
     mirror = measure_mirror(train.images, train.targets, cfg.seed)
     if not mirror.survives:

@@ -9,8 +9,10 @@ the class capsule transforms, and why each was chosen; the model config the run 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,37 +24,30 @@ from capserve.data.augment import augment_reason, default_augment
 from capserve.data.builtin import Data, dataset_for, load_training
 from capserve.data.cache import CACHE_FILE, build_cache
 from capserve.data.own import InputSize, Manifest, check_data_exists, check_training, is_own_data, scan, with_validation
-from capserve.data.placement import measure_placement
+from capserve.data.placement import Placement, measure_placement
 from capserve.data.preprocess import data_mean_std
 from capserve.data.splits import Split
-from capserve.files import write_whole
+from capserve.files import read_cached, write_whole
+from capserve.model.checkpoint import read_config
 from capserve.model.factory import Model, build_model
-from capserve.routing.attention import cross_entropy_loss
-from capserve.routing.losses import training_loss
+from capserve.train import rules
 from capserve.train.amp import AmpCandidate, run_precision
 from capserve.train.class_layer import choose_class_layer, chooses_class_weights
-from capserve.train.config import (
-    AUTO_BACKBONE_LOSS_GRID,
-    AUTO_LABEL_SMOOTHING,
-    DEFAULT_LR,
-    DEFAULT_VAL_SIZE,
-    TrainConfig,
-    resolve_recipe,
-)
+from capserve.train.config import DEFAULT_LR, DEFAULT_VAL_SIZE, TrainConfig, resolve_recipe
 from capserve.train.distributed import Dist
-from capserve.train.few_images import few_images, few_images_augment
+from capserve.train.few_images import few_images
 from capserve.train.state import check_init
-from capserve.train.stem import pooled_stem, pooled_stem_backbone_loss, stem_pool
+from capserve.train.stem import pooled_stem, stem_pool
 
 __all__ = [
     "RESUMED",
+    "RESUMED_CHOICES",
     "TRAIN_CONFIG",
     "Plan",
-    "backbone_depth",
-    "class_norm",
-    "label_smoothing",
     "model_config",
+    "new_plan",
     "plan_run",
+    "resumed_plan",
     "val_size_of",
 ]
 
@@ -60,7 +55,7 @@ log = logging.getLogger(__name__)
 
 TRAIN_CONFIG = "train_config.json"
 
-RESUMED = "as the run resumed recorded it"  # a resumed run's choices come from its trainer.json
+RESUMED = "as the run resumed recorded it"  # every choice of a resumed run (``resumed_plan``)
 
 ADAM_LR_WARNING = 1e-2  # an Adam(W) lr above this is almost always an SGD lr given by habit
 
@@ -92,8 +87,10 @@ class Plan:
         return build_model(self.config)
 
     def record(self, out: Path) -> None:
-        """``train_config.json``: the resolved ``TrainConfig`` and, under ``reasons``, why each choice was made."""
-        recorded = {**dataclasses.asdict(self.cfg), "reasons": self.reasons}
+        """``train_config.json``: the resolved ``TrainConfig``, the input its images are decoded at (``input_size``:
+        channels, height, width) and, under ``reasons``, why each choice was made."""
+        size = [self.config.in_channels, self.config.image_size, self.config.image_size]
+        recorded = {**dataclasses.asdict(self.cfg), "input_size": size, "reasons": self.reasons}
         write_whole(out / TRAIN_CONFIG, json.dumps(recorded, indent=1) + "\n")
 
 
@@ -142,46 +139,6 @@ def init_classes(cfg: TrainConfig, config: ModelConfig, classes: int) -> int | N
     return INIT_CLASSES if classes > INIT_CLASSES else None
 
 
-def class_norm(cfg: TrainConfig, manifest: Manifest | None, resume: str | Path | None) -> tuple[TrainConfig, str]:
-    """``cfg`` with the class capsules' LayerNorm chosen (and why). A new run from scratch on a user's images, of an
-    attention capsule model with LayerNorm, normalises its class capsules together where one label answers
-    (single-label: the classes compete for it, as the softmax over their logits does) and each alone where every
-    label answers on its own (multi-label), recorded in ``overrides`` so that ``--resume`` rebuilds the same model
-    (docs/own-data.md, "The class capsules under one LayerNorm"). Otherwise the config's: as given with ``--set
-    class_norm=...``, ``--init``'s model's, a resumed run's record, and on the built-in data sets."""
-    if "class_norm" in cfg.overrides:
-        return cfg, RESUMED if resume is not None else "given"
-    config = get_config(cfg.model, **cfg.overrides)
-    attention = config.has_routing and config.routing_algorithm == "attention" and config.layer_norm
-    if manifest is None or resume is not None or cfg.init or not attention:
-        return cfg, "the model config's"
-    if manifest.task == "multi_label":
-        norm, why = "per_class", "multi-label: each label answers on its own, so each class capsule is normalised alone"
-    else:
-        norm, why = "joint", "single-label: the class capsules compete for one answer, under one LayerNorm"
-    return dataclasses.replace(cfg, overrides={**cfg.overrides, "class_norm": norm}), why
-
-
-# a user's capsule model on the conv backbone: its first two conv layers, then two residual blocks at the second's grid
-OWN_BACKBONE = {"backbone_layers": 2, "backbone_blocks": 2}
-
-
-def backbone_depth(cfg: TrainConfig, manifest: Manifest | None, resume: str | Path | None) -> tuple[TrainConfig, str]:
-    """``cfg`` with the conv backbone's depth chosen (and why). A new run from scratch on a user's images, of a
-    capsule model on the conv backbone, puts two residual blocks after its first two conv layers in place of the third
-    (``OWN_BACKBONE``): only the class layer routes, so the capsules add little that is not linear to what the backbone
-    made of the image (docs/own-data.md, "Residual blocks in front of the capsules"). Recorded in ``overrides`` so
-    that ``--resume`` rebuilds the same model. Otherwise the config's: as given with ``--set backbone_layers=N`` or
-    ``backbone_blocks=N``, ``--init``'s model's, a resumed run's record, a CNN's, and on the built-in data sets."""
-    if OWN_BACKBONE.keys() & cfg.overrides.keys():
-        return cfg, RESUMED if resume is not None else "given"
-    config = get_config(cfg.model, **cfg.overrides)
-    if manifest is None or resume is not None or cfg.init or config.backbone != "conv" or not config.has_routing:
-        return cfg, "the model config's"
-    why = "your own images: residual blocks in place of a third conv layer"
-    return dataclasses.replace(cfg, overrides={**cfg.overrides, **OWN_BACKBONE}), why
-
-
 def read_manifest(cfg: TrainConfig) -> Manifest | None:
     """A user's data with its validation split (carved from its training images when it names none); None for the
     built-in data sets."""
@@ -225,134 +182,23 @@ def load_own_training(
     return Data(manifest.kind, train.to(device), None, val, len(train)), test, own.skipped
 
 
-def recipe_reasons(
-    given: TrainConfig, cfg: TrainConfig, own: bool, multi_label_capsules: bool, resume: str | Path | None
-) -> dict[str, str]:
-    """Why the optimizer, schedule and batch size of ``cfg`` (``given``, resolved) are what they are."""
-    if resume is not None:
-        return dict.fromkeys(
-            (
-                "optimizer",
-                "schedule",
-                "batch_size",
-                "capsule_lr_scale",
-                "backbone_loss",
-                "backbone_loss_grid",
-                "class_weights",
-                "augment",
-            ),
-            RESUMED,
-        )
-    data = "your own images" if own else "the built-in data sets"
-    batch = "a capsule network on your own multi-label images" if multi_label_capsules else data
-    return {
-        "optimizer": "given" if given.optimizer != "auto" else f"the default for {data}",
-        "schedule": "given" if given.schedule is not None else f"the default for {data}",
-        "batch_size": "given" if given.batch_size is not None else f"the default for {batch}",
-        "capsule_lr_scale": "given" if given.capsule_lr_scale is not None else f"the default for {data}",
-        "backbone_loss": "given" if given.backbone_loss is not None else f"the default for {data}",
-    }
-
-
-def backbone_loss(cfg: TrainConfig, config: ModelConfig, given: TrainConfig) -> tuple[TrainConfig, str | None]:
-    """``cfg`` without a backbone loss where it cannot work (and why): a CNN (its classifier already reads its
-    backbone), or a frozen backbone. Given for either, it is a mistake the user hears about."""
-    if not cfg.backbone_loss:
-        return cfg, None
-    if not config.has_routing:
-        why = f"{config.name} is a CNN: its own classifier reads its backbone"
-    elif cfg.freeze == "backbone":
-        why = "--freeze backbone: the backbone does not train"
-    else:
-        return cfg, None
-    if given.backbone_loss is not None:
-        raise ValueError(f"--backbone-loss trains a capsule network's backbone, and {why}: drop --backbone-loss")
-    return dataclasses.replace(cfg, backbone_loss=0.0), why
-
-
-def label_smoothing(
-    cfg: TrainConfig, config: ModelConfig, own: bool, resume: str | Path | None
-) -> tuple[TrainConfig, str]:
-    """``cfg`` with the label smoothing resolved (and why): as given, or a capsule network's ``AUTO_LABEL_SMOOTHING``
-    for the data (a CNN: none); none where the targets are not one label's or the loss is not a cross-entropy. Given
-    for either, it is a mistake the user hears about."""
-    if resume is not None:
-        return cfg, RESUMED
-    if config.task == "multi_label":
-        why_not = "multi-label targets say of each label on its own whether it is there"
-    elif training_loss(config) is not cross_entropy_loss:
-        why_not = f"{config.routing_algorithm} routing trains with its own paper's loss"
-    else:
-        why_not = None
-    if why_not is not None:
-        if cfg.label_smoothing:
-            raise ValueError(f"--label-smoothing softens one label's cross-entropy, and {why_not}: drop it")
-        return dataclasses.replace(cfg, label_smoothing=0.0), why_not
-    if cfg.label_smoothing is not None:
-        return cfg, "given"
-    if not config.has_routing:
-        return dataclasses.replace(
-            cfg, label_smoothing=0.0
-        ), f"{config.name} is a CNN: smoothing helped the capsules on the battery, not it"
-    data = "your own images" if own else "the built-in data sets"
-    return dataclasses.replace(cfg, label_smoothing=AUTO_LABEL_SMOOTHING["own" if own else "builtin"]), (
-        f"the default for {data}"
-    )
-
-
-def backbone_loss_grid(cfg: TrainConfig, config: ModelConfig, resume: str | Path | None) -> tuple[TrainConfig, str]:
-    """``cfg`` with the backbone classifier's pooling grid resolved (and why): as given, or by the run's class capsule
-    transforms (``AUTO_BACKBONE_LOSS_GRID``); 1 where there is no backbone loss. Given to a run without one, it is a
-    mistake the user hears about."""
-    if resume is not None:
-        return cfg, RESUMED
-    if not cfg.backbone_loss:
-        if cfg.backbone_loss_grid is not None:
-            raise ValueError("--backbone-loss-grid pools the backbone loss's classifier, and this run has none")
-        return dataclasses.replace(cfg, backbone_loss_grid=1), "no backbone loss"
-    if cfg.backbone_loss_grid is not None:
-        if cfg.backbone_loss_grid > config.feature_size:
-            raise ValueError(
-                f"--backbone-loss-grid {cfg.backbone_loss_grid} is finer than the backbone's "
-                f"{config.feature_size}×{config.feature_size} map: give at most {config.feature_size}"
-            )
-        return cfg, "given"
-    grid = min(AUTO_BACKBONE_LOSS_GRID[config.class_weights], config.feature_size)
-    where = "per position" if config.class_weights == "per_position" else "shared"
-    if config.class_weights == "per_position" and config.class_grid == 1:
-        where += " in one cell, one per type wherever it lies"
-    return dataclasses.replace(cfg, backbone_loss_grid=grid), f"the class layer's transforms are {where}"
-
-
-def fit_batch(cfg: TrainConfig, data: Data, given: bool, d: Dist) -> tuple[TrainConfig, str | None]:
-    """``cfg`` with a batch the data can fill (and why, when it changed): a default batch never refuses a small data
-    set, it takes one batch of all its images (a multiple of the processes); a given one does."""
-    if data.epoch_size < cfg.batch_size and not given and data.epoch_size >= d.world:
-        batch = data.epoch_size // d.world * d.world
-        reason = f"one batch of all {data.epoch_size} training images (fewer than the default {cfg.batch_size})"
-        return dataclasses.replace(cfg, batch_size=batch), reason
-    if data.epoch_size < cfg.batch_size:
-        raise ValueError(f"--batch-size {cfg.batch_size} exceeds the {data.epoch_size} training images per epoch")
-    return cfg, None
-
-
 def from_the_images(
-    cfg: TrainConfig, manifest: Manifest, train: Split, resume: str | Path | None, d: Dist
+    cfg: TrainConfig, given: TrainConfig, manifest: Manifest, train: Split, placement: Callable[[], Placement], d: Dist
 ) -> tuple[TrainConfig, ModelConfig, dict[str, str]]:
-    """The choices a user's decoded training images make: the class capsule layer (a new run from scratch of a model
-    that can take either: ``capserve.train.class_layer``), on small things anywhere its stem (``pooled_stem``), and
-    the mean/std (unless ``--init`` keeps its own)."""
-    reasons: dict[str, str] = {}
+    """The choices a user's decoded training images make: the recipes for few pictures a class
+    (``capserve.train.few_images``), the class capsule layer (a run from scratch of a model that can take either:
+    ``capserve.train.class_layer``), on small things anywhere its stem (``capserve.train.stem``), and the mean/std
+    (unless ``--init`` keeps its own). ``placement`` measures where things lie in ``train``, once, for whichever
+    rule asks first."""
+    cfg, reasons = few_images(cfg, given, manifest, train, placement)
     config = model_config(cfg, manifest)
-    if chooses_class_weights(cfg, config, resume):
-        placement = measure_placement(train.images, train.targets, cfg.seed)
-        chosen, found = choose_class_layer(placement, manifest.task, config.spatial_sizes[-1], cfg.overrides)
-        stem, stem_reason = pooled_stem(placement, config, cfg.overrides)
+    if chooses_class_weights(cfg, config):
+        chosen, found = choose_class_layer(placement(), manifest.task, config.spatial_sizes[-1], cfg.overrides)
         reasons.update(found)
-        if stem_reason:
-            reasons["stem_pool"] = stem_reason
         # recorded in train_config.json's overrides, so that --resume rebuilds the same model
-        cfg = dataclasses.replace(cfg, overrides={**cfg.overrides, **chosen, **stem})
+        cfg = dataclasses.replace(cfg, overrides={**cfg.overrides, **chosen})
+        cfg, stem = pooled_stem(placement(), cfg, given, config)
+        reasons.update(stem)
         if d.main:
             log.info("class capsule transforms: %s (%s)", chosen["class_weights"], reasons["class_weights"])
     config = model_config(cfg, manifest)
@@ -366,6 +212,8 @@ def log_choices(plan: Plan, d: Dist) -> None:
     """The run's log of what it chose, and a warning for an Adam step an SGD habit gave."""
     cfg, config = plan.cfg, plan.config
     if d.main:
+        size = f"{config.in_channels}×{config.image_size}×{config.image_size}"
+        log.info("input: %s (%s)", size, plan.reasons["input_size"])
         log.info("augmentation: %s (%s)", cfg.augment, plan.reasons["augment"])
         scaled = (
             f" (capsule layers ×{cfg.capsule_lr_scale:g})" if config.has_routing and cfg.capsule_lr_scale != 1 else ""
@@ -420,64 +268,67 @@ def log_choices(plan: Plan, d: Dist) -> None:
 
 
 def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch.device) -> Plan:
-    """Every choice of a run resolved from ``cfg`` and its data (``--resume``: as recorded), with the data loaded;
-    nothing built yet. A ``--data`` or ``--init`` that cannot work fails before the run folder exists."""
+    """Every choice of a run resolved from ``cfg`` and its data, with the data loaded; nothing built yet. A new run
+    decides (``new_plan``); a resumed one reads what it decided from its record (``resumed_plan``). A ``--data`` or
+    ``--init`` that cannot work fails before the run folder exists."""
     check_data_exists(cfg.data)  # before the run folder exists: a typo leaves nothing behind
+    if cfg.batch_size is not None and cfg.batch_size % d.world:  # (a new run's default batch: checked resolved)
+        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes {d.world}")
+    plan = new_plan(cfg, d, device) if resume is None else resumed_plan(cfg, d, device)
+    log_choices(plan, d)
+    return plan
+
+
+def new_plan(cfg: TrainConfig, d: Dist, device: torch.device) -> Plan:
+    """A new run's choices, each rule (``capserve.train.rules``, then those the decoded images make,
+    ``from_the_images``) called once, in order."""
     given, manifest = cfg, read_manifest(cfg)
-    multi_label = manifest is not None and manifest.task == "multi_label"
-    multi_label_capsules = multi_label and get_config(cfg.model, **cfg.overrides).has_routing
-    cfg = resolve_recipe(cfg, manifest is not None, multi_label_capsules)  # recorded in train_config.json as resolved
+    own = manifest is not None
+    multi_label_capsules = own and manifest.task == "multi_label" and get_config(cfg.model, **cfg.overrides).has_routing
+    cfg = resolve_recipe(cfg, own, multi_label_capsules)  # recorded in train_config.json as resolved
     if cfg.batch_size % d.world:
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes {d.world}")
-    cfg, norm_reason = class_norm(cfg, manifest, resume)
-    cfg, depth_reason = backbone_depth(cfg, manifest, resume)
+    cfg, norm_reason = rules.class_norm(cfg, manifest)
+    cfg, depth_reason = rules.backbone_depth(cfg, manifest)
     config = model_config(cfg, manifest)
-    dataset = config.extra["data"]["dataset"]
-    if cfg.init and resume is None:
+    if cfg.init:
         check_init(cfg.init, config.labels, cfg.label_map)
-    reasons = recipe_reasons(given, cfg, manifest is not None, multi_label_capsules, resume)
-    cfg, no_backbone_loss = backbone_loss(cfg, config, given)
+    reasons = rules.recipe_reasons(given, cfg, own, multi_label_capsules)
+    reasons["input_size"] = rules.input_size(cfg, config, manifest)
+    cfg, no_backbone_loss = rules.backbone_loss(cfg, config, given)
     reasons["backbone_loss"] = no_backbone_loss or reasons["backbone_loss"]
-    cfg, reasons["label_smoothing"] = label_smoothing(cfg, config, manifest is not None, resume)
-    cfg, few = few_images(cfg, given, manifest, resume)
-    if few:
-        config = model_config(cfg, manifest)
-        depth_reason = few.pop("backbone_depth", depth_reason)
-        reasons.update(few)
+    cfg, reasons["label_smoothing"] = rules.label_smoothing(cfg, config, own)
     out = Path(cfg.out)
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
-        if resume is None:
-            start_afresh(out)
+        start_afresh(out)
     skipped, test_split = 0, None
     if manifest is not None:
         data, test_split, skipped = load_own_training(manifest, config, out, d, device)
-        cfg, config, found = from_the_images(cfg, manifest, data.train, resume, d)
+        train = data.train
+        placement = functools.cache(functools.partial(measure_placement, train.images, train.targets, cfg.seed))
+        cfg, config, found = from_the_images(cfg, given, manifest, train, placement, d)
+        depth_reason = found.pop("backbone_depth", depth_reason)
         reasons.update(found)
-        if "stem_pool" in found:
-            cfg, heavier = pooled_stem_backbone_loss(cfg, given)
-            reasons["backbone_loss"] = heavier or reasons["backbone_loss"]
-        cfg, mirrored = few_images_augment(cfg, config, manifest, data.train, resume)
-        reasons.update(mirrored)
     else:
-        data = load_training(dataset, cfg.data, val_size_of(cfg, own=False), cfg.epoch_size, device)
-    cfg, fitted = fit_batch(cfg, data, given.batch_size is not None, d)
+        data = load_training(
+            config.extra["data"]["dataset"], cfg.data, val_size_of(cfg, own=False), cfg.epoch_size, device
+        )
+    cfg, fitted = rules.fit_batch(cfg, data, given.batch_size is not None, d)
     reasons["batch_size"] = fitted or reasons["batch_size"]
     if cfg.augment is None:  # recorded in train_config.json (and every checkpoint) as resolved
+        dataset = config.extra["data"]["dataset"]
         cfg = dataclasses.replace(cfg, augment=default_augment(dataset))
         reasons["augment"] = augment_reason(dataset)
     reasons.setdefault("augment", "given")
     given_weights = {"class_weights", "class_grid"} & cfg.overrides.keys()
     reasons.setdefault("class_weights", "given" if given_weights else "the model config's")
-    reasons.setdefault(
-        "pose", RESUMED if resume is not None else "given" if "pose" in given.overrides else "the model config's"
-    )
+    reasons.setdefault("pose", "given" if "pose" in given.overrides else "the model config's")
     reasons["class_norm"] = norm_reason
     reasons["backbone_depth"] = depth_reason
-    cfg, reasons["backbone_loss_grid"] = backbone_loss_grid(cfg, config, resume)
-    chosen, why = run_precision(cfg, config, d, device)
+    cfg, reasons["backbone_loss_grid"] = rules.backbone_loss_grid(cfg, config)
+    chosen, reasons["amp"] = run_precision(cfg, config, d, device)
     cfg = dataclasses.replace(cfg, amp=chosen.amp, channels_last=chosen.channels_last)
-    reasons["amp"] = RESUMED if resume is not None else why
     reasons.setdefault("mean_std", "kept with --init (the model config's)" if cfg.init else "the model config's")
     if config.stem_pool > 1 and "stem_pool" not in cfg.overrides:
         reasons["stem_pool"] = (
@@ -489,6 +340,48 @@ def plan_run(cfg: TrainConfig, resume: str | Path | None, d: Dist, device: torch
             f"{len(config.labels)} classes: the class capsule transforms start at the authors' init for "
             f"{config.init_classes} (--set init_classes={len(config.labels)} for theirs)"
         )
-    plan = Plan(cfg, config, reasons, data, manifest, test_split, skipped)
-    log_choices(plan, d)
-    return plan
+    return Plan(cfg, config, reasons, data, manifest, test_split, skipped)
+
+
+# the choices every resumed run's log names (others, such as the stem's, where its record has them)
+RESUMED_CHOICES = (
+    "optimizer",
+    "schedule",
+    "batch_size",
+    "capsule_lr_scale",
+    "backbone_loss",
+    "backbone_loss_grid",
+    "label_smoothing",
+    "augment",
+    "input_size",
+    "class_weights",
+    "pose",
+    "class_norm",
+    "backbone_depth",
+    "mean_std",
+    "amp",
+)
+
+
+def resumed_plan(cfg: TrainConfig, d: Dist, device: torch.device) -> Plan:
+    """A resumed run's plan, read from its record, in this one place: the ``TrainConfig`` it recorded (``cfg``, from
+    ``last/trainer.json``), the model its ``last/`` checkpoint was built as (``last/config.json``: every override,
+    the input size and the mean/std), and each choice's reason ``RESUMED`` (those ``train_config.json`` names, and
+    ``RESUMED_CHOICES``). Nothing is decided again; only the data is read, at that model's input."""
+    out = Path(cfg.out)
+    config = read_config(out / "last")
+    manifest = read_manifest(cfg)
+    if manifest is not None:  # --resume may be given the data where it now lies
+        data_record = {**config.extra["data"], "source": str(manifest.source)}
+        config = dataclasses.replace(config, extra={**config.extra, "data": data_record})
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+    skipped, test_split = 0, None
+    if manifest is not None:
+        data, test_split, skipped = load_own_training(manifest, config, out, d, device)
+    else:
+        dataset = config.extra["data"]["dataset"]
+        data = load_training(dataset, cfg.data, val_size_of(cfg, own=False), cfg.epoch_size, device)
+    recorded = read_cached(out / TRAIN_CONFIG).get("reasons")
+    names = (*RESUMED_CHOICES, *(recorded if isinstance(recorded, dict) else ()))
+    return Plan(cfg, config, dict.fromkeys(names, RESUMED), data, manifest, test_split, skipped)

@@ -28,10 +28,12 @@ from capserve.train.config import AUTO_BACKBONE_LOSS, DEFAULT_LR, TrainConfig, r
 from capserve.train.distributed import Dist
 from capserve.train.loop import train
 from capserve.train.optimizer import make_optimizer
-from capserve.train.plan import RESUMED, label_smoothing, plan_run
+from capserve.train.plan import RESUMED, plan_run
+from capserve.train.rules import label_smoothing
 
 REASONS = {
     "amp",
+    "input_size",
     "optimizer",
     "schedule",
     "batch_size",
@@ -96,7 +98,7 @@ def test_a_plan_gives_the_model_its_run_records(marks, tmp_path):
     assert plan.config.to_dict() == {**saved.to_dict(), "extra": {**saved.extra, "name": "again"}}
     recorded = json.loads((out / "train_config.json").read_text())
     assert set(recorded["reasons"]) == REASONS
-    planned = {**dataclasses.asdict(plan.cfg), "out": str(out)}
+    planned = {**dataclasses.asdict(plan.cfg), "out": str(out), "input_size": [3, 32, 32]}
     assert {k: v for k, v in recorded.items() if k != "reasons"} == json.loads(json.dumps(planned))
     assert plan.reasons == recorded["reasons"]
     a, b = plan.build_model().state_dict(), plan.build_model().state_dict()
@@ -276,20 +278,20 @@ def test_one_label_of_a_users_images_is_smoothed_and_every_other_target_left_who
     plan = plan_run(dataclasses.replace(cnn, label_smoothing=0.1), None, Dist(), torch.device("cpu"))
     assert (plan.cfg.label_smoothing, plan.reasons["label_smoothing"]) == (0.1, "given")
     builtin = get_config("cifar10-conv")
-    assert label_smoothing(own_config(marks, out), builtin, own=False, resume=None)[0].label_smoothing == 0.0
+    assert label_smoothing(own_config(marks, out), builtin, own=False)[0].label_smoothing == 0.0
     multi = dataclasses.replace(builtin, task="multi_label")
-    cfg, why = label_smoothing(own_config(marks, out), multi, own=True, resume=None)
+    cfg, why = label_smoothing(own_config(marks, out), multi, own=True)
     assert cfg.label_smoothing == 0.0 and why.startswith("multi-label")
     with pytest.raises(ValueError, match="multi-label targets say of each label on its own .*: drop it"):
-        label_smoothing(own_config(marks, out, label_smoothing=0.1), multi, own=True, resume=None)
+        label_smoothing(own_config(marks, out, label_smoothing=0.1), multi, own=True)
     rows = ["image,labels"] + [f"{p.relative_to(marks.parent)},{p.parent.name} x" for p in marks.rglob("*.png")]
     (marks.parent / "two-labels.csv").write_text("\n".join(rows) + "\n")
     args = ["--data", str(marks.parent / "two-labels.csv"), "--out", str(tmp_path / "two"), "--label-smoothing", "0.1"]
     assert main(["train", *args]) == 2 and not (tmp_path / "two").exists()  # refused before anything is written
     dynamic = get_config("cifar10-simple-dynamic")
-    assert label_smoothing(own_config(marks, out), dynamic, own=True, resume=None)[0].label_smoothing == 0.0
+    assert label_smoothing(own_config(marks, out), dynamic, own=True)[0].label_smoothing == 0.0
     with pytest.raises(ValueError, match="dynamic routing trains with its own paper's loss: drop it"):
-        label_smoothing(own_config(marks, out, label_smoothing=0.2), dynamic, own=True, resume=None)
+        label_smoothing(own_config(marks, out, label_smoothing=0.2), dynamic, own=True)
     with pytest.raises(ValueError, match="dynamic routing trains with its own paper's loss"):
         training_loss(dynamic, 0.1)
     for bad in (-0.1, 1.0):
