@@ -38,7 +38,7 @@ Each builder writes a data set as a user would hand it to ``capserve train --dat
 
 The last twenty-one are held out: built after the own-data defaults were chosen on the first eight (numbers and
 letter-tiles after the first eleven had been run with them; photo-tiles and phone-photos after the measurements of
-docs/own-data.md's "Capsules beside the CNN"; counts after the class transforms per cell, then used to measure label
+docs/research/capsules-beside-the-cnn.md; counts after the class transforms per cell, then used to measure label
 smoothing; turned-photos after label smoothing, and used for nothing else; photo-digits to test vector poses as the
 default for multi-label data, once they had been chosen on the other four, then the batch of 16; texture-tiles after
 that batch, and used for nothing else; photo-blend to test shared class transforms for multi-label data, once overlap
@@ -745,7 +745,7 @@ BATTERY: dict[str, tuple[Callable[[Path, Path, np.random.Generator], None], str]
     # held out, second round: built after the battery above had been run with the defaults, none of them changed since
     "numbers": (numbers, "."),
     "letter-tiles": (letter_tiles, "labels.csv"),
-    # held out, third round: built after the defaults of docs/own-data.md's "capsules beside the CNN" were fixed, and
+    # held out, third round: built after the defaults of docs/research/capsules-beside-the-cnn.md were fixed, and
     # used for nothing else
     "photo-tiles": (photo_tiles, "labels.csv"),
     "phone-photos": (phone_photos, "."),

@@ -378,7 +378,7 @@ def peer_table(
     workers: list[int],
     peers: bool = True,
 ) -> None:
-    """The peers table (docs/benchmarks.md, "HTTP: capserve against the alternatives"), with capserve at each of
+    """The peers table (docs/benchmarks/serving.md, "HTTP: capserve against the alternatives"), with capserve at each of
     ``workers`` (CAPSERVE_WORKERS): raw batch-32 throughput, then each server's req/s and p50 at each of
     ``concurrency`` (req/s at 32 also ÷ the raw figure measured just before), errors and server CPU ms per request at
     the largest concurrency (medians over interleaved rounds)."""
@@ -612,7 +612,7 @@ def main() -> None:
         try:
             for config in args.configs:
                 backend, precision = config.split(":")
-                for batching in args.batching:  # each with one worker, as docs/benchmarks.md measured
+                for batching in args.batching:  # each with one worker, as docs/benchmarks/serving.md measured
                     env = {
                         "CAPSERVE_BACKEND": backend,
                         "CAPSERVE_PRECISION": precision,

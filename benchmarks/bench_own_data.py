@@ -187,7 +187,7 @@ def main() -> None:
         for policy, decay in [(p, w) for p in a.augment.split(",") for w in a.weight_decay.split(",")]:
             policy, decay = policy.strip(), decay.strip()
             tag = policy.replace("-", "") + ("" if decay == "default" else f"-wd{decay}")
-            # the SGD runs from scratch were measured at a coupled decay of 2e-2 (docs/own-data.md)
+            # the SGD runs from scratch were measured at a coupled decay of 2e-2 (docs/research/own-data-battery.md)
             sgd_decay = ["--weight-decay", "2e-2"] if decay == "default" else []
             if "pairs" in parts:
                 csv_path = work / "pairs" / "pairs.csv"

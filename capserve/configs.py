@@ -91,8 +91,8 @@ class ModelConfig:
     # "conv" only: a max-pool by this factor after the first layer, so that a larger image reaches the capsule layers
     # at the grid their routing was measured at (own images at --image-size N get N // 32: capserve.train.plan)
     stem_pool: int = 1
-    # "conv" only: its conv layers, the first two included; the later ones keep the grid (docs/own-data.md, "Five
-    # conv layers in front of the capsules")
+    # "conv" only: its conv layers, the first two included; the later ones keep the grid (docs/research/backbone.md,
+    # "Do more conv layers in front of the capsules help?")
     backbone_layers: int = 3
     # "conv" only: ResNet basic blocks after those layers, at their width and grid (own images: capserve.train.plan)
     backbone_blocks: int = 0
@@ -312,7 +312,7 @@ _EM = dict(routing_algorithm="em", routing="sequential", pose="matrix", pose_dim
 
 # Hinton et al.'s layout, conv capsules straight into the class capsules (with coordinate addition), not the fc
 # capsule layer in between of our other DiverseMultiMNIST configs: with it, EM routing does not learn in a short CPU
-# run (docs/benchmarks.md, short training runs)
+# run (docs/benchmarks/learning.md, short training runs)
 _MULTIMNIST_EM_SMALL = {
     **_MULTIMNIST,
     **_EM,
@@ -334,7 +334,8 @@ MODELS: dict[str, ModelConfig] = {
         ModelConfig("cifar10-conv", CIFAR10_LABELS, backbone="conv", capsules=_cifar_layers(), activations=True),
         # cifar10-conv with 16-value vector poses, whose 16×16 transform per pair of types holds as many weights as
         # the CNN layer in its place: what a run on multi-label images whose labels follow where things lie takes
-        # (capserve.train.class_layer), an option elsewhere (docs/own-data.md, "Vector poses for multi-label images")
+        # (capserve.train.class_layer), an option elsewhere (docs/research/multi-label.md, "Do vector poses help
+        # multi-label images?")
         ModelConfig(
             "cifar10-conv-vector",
             CIFAR10_LABELS,
@@ -352,8 +353,8 @@ MODELS: dict[str, ModelConfig] = {
         ModelConfig("multimnist-matrix-small", pose="matrix", **_MULTIMNIST_SMALL),
         # Baseline CNNs (capserve.model.cnn.CNN). DiverseMultiMNIST: the paper's "baseline CNN" (same backbone, conv
         # layers with the neurons of the capsule layers they replace, average pooling) and its CNN with a learned
-        # fully connected layer in place of pooling (the paper's accuracies: docs/benchmarks.md); the layer sizes
-        # are multimnist-matrix's (16 types × 64 = 1024 channels). The paper does not give its CNN's
+        # fully connected layer in place of pooling (the paper's accuracies: docs/benchmarks/learning.md); the layer
+        # sizes are multimnist-matrix's (16 types × 64 = 1024 channels). The paper does not give its CNN's
         # normalisation: ours is BatchNorm + ReLU after each replacing conv.
         ModelConfig("multimnist-cnn-avgpool", head="avgpool", **_MULTIMNIST),
         ModelConfig("multimnist-cnn-fc", head="fc", **_MULTIMNIST),

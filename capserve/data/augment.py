@@ -10,8 +10,8 @@ Policies (``AUGMENTATIONS``):
 Why the default depends on the data (``default_augment``): a mirror changes what a digit or a letter is, and on a
 user's few thousand images a random shift keeps a capsule network at the loss of the label prior for many epochs:
 the same part lands on other input capsules of the class layer, whose weights are per capsule, so the label signal
-spreads thin (docs/own-data.md). CIFAR keeps the authors' recipe. A capsule network on few pictures a class whose
-labels follow where things lie and survive a mirror takes crop-flip (``capserve.train.few_images``).
+spreads thin (docs/research/augmentation.md). CIFAR keeps the authors' recipe. A capsule network on few pictures a
+class whose labels follow where things lie and survive a mirror takes crop-flip (``capserve.train.few_images``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from capserve.data.placement import above_chance, edge_maps, spectrum_maps
 __all__ = ["MIRROR_SHARE", "Mirror", "measure_mirror"]
 
 # the most of what the labels show (in either view) that may lie in the part a mirror turns round: between the
-# battery's sets whose labels a mirror keeps and those it changes, far from both (docs/own-data.md)
+# battery's sets whose labels a mirror keeps and those it changes, far from both (docs/research/augmentation.md)
 MIRROR_SHARE = 0.1
 
 

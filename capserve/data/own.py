@@ -1,6 +1,6 @@
 """Your own images: an image folder (single-label) or a CSV manifest (multi-label), decoded once into a uint8 cache.
 
-``scan`` reads the layout into a ``Manifest`` (docs/own-data.md has the layouts); ``carve`` draws the validation
+``scan`` reads the layout into a ``Manifest`` (docs/training.md has the layouts); ``carve`` draws the validation
 split from the file list, so training, ``capserve evaluate --split val`` and INT8 calibration all see the same
 split. Images are decoded by ``capserve.data.images.load_image``, the service's own path for an upload, so a served
 image is prepared exactly as its training images were (``capserve.data.cache`` keeps them decoded). Bad files are

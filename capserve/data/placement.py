@@ -5,7 +5,7 @@ The class capsule layer has, as in the paper, one transform per input capsule, p
 label has its place (digits, letters and glyphs centred in their picture, photographs framed on their subject), and
 slow to learn when the same thing turns up anywhere (a small object on a canvas, shapes in clutter, textures, an
 arrow whose label is the way it points), where every position has to learn it apart. Shared transforms learn the
-second kind fast and stall on the first (docs/own-data.md, the battery). So a run measures which kind its data is.
+second kind fast and stall on the first (docs/research/own-data-battery.md). So a run measures which kind its data is.
 
 The measure compares two views of each image's edges (grey-level gradient magnitude, blind to which colour is in
 front): where they lie (pooled to a coarse grid) and their Fourier magnitude (the same whatever the shift). In each
@@ -32,10 +32,10 @@ from torch import Tensor
 GRID = 8  # the side of the coarse grid the edge maps are pooled to
 SHUFFLES = 5  # label permutations averaged for the chance level
 # in-place over shift-free η² at or above which labels follow position: between the battery's sets of things anywhere
-# and its sets of things in their place, far from both (docs/own-data.md, "Where things lie")
+# and its sets of things in their place, far from both (docs/research/where-things-lie.md)
 ALIGNED_RATIO = 0.15
 # the share of the picture its edges fill below which its things are small: between the battery's sets of small things
-# anywhere and its textures and photographs (docs/own-data.md, "A max-pool for small things anywhere")
+# anywhere and its textures and photographs (docs/research/backbone.md, the max-pool for small things anywhere)
 SMALL_SPREAD = 0.5
 
 

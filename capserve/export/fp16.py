@@ -11,7 +11,7 @@ FP16 LayerNorm overflows, so the precision is chosen here, op by op:
 
 Tolerance, against eager FP32: max |Δlogit| <= ``FP16_ATOL + FP16_RTOL · max |logit|`` and max |Δprobability| <=
 ``FP16_PROB_ATOL``. The relative term is there because a model whose class poses are near-constant before their
-LayerNorm amplifies any rounding; docs/benchmarks.md has the measured errors of the named models.
+LayerNorm amplifies any rounding; docs/benchmarks/runtimes.md has the measured errors of the named models.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from torch import Tensor
 
 # Size of one block of votes in bytes (attention's step holds two: the votes and their products with the parents).
 # Small, so that each pass over a block reads it from cache; every block costs a few parallel regions, so much
-# smaller blocks pay in thread barriers. Chosen by bench_routing.py (figures: docs/benchmarks.md).
+# smaller blocks pay in thread barriers. Chosen by bench_routing.py (figures: docs/benchmarks/routing.md).
 VOTE_BLOCK_BYTES = 4 * 2**20
 
 

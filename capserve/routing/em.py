@@ -24,7 +24,7 @@ were also read):
 - λ_t = 0.01 (1 − 0.95^t) for t = 1..T, the schedule Hinton gave on OpenReview (final λ 0.01).
 - The cost is not standardised over each position's parents (www0wwwjs1's choice, with λ_t = t): on
   DiverseMultiMNIST, standardised costs learn less, and not at all with an fc capsule layer before the class
-  capsules (docs/benchmarks.md, EM routing).
+  capsules (docs/benchmarks/routing.md, EM routing's cost).
 - ε = 1e-6 floors σ² (a parent whose votes agree exactly keeps a finite log σ and 1/σ²).
 - Each parent position routes its own window: a child in several overlapping windows is normalised per window,
   R_ij summing to 1 over the J parents of that position (as both reproductions do), which makes (batch × position)

@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 # eager passes each write or read every vote, in a parallel region of their own. It wins on the conv capsule steps of
 # the CIFAR models and loses where the parents fill no whole vector register or the pose rows are long (class
 # capsules, 8×8 poses, 64-d vectors), and its compile (seconds, once per process and shape) pays only for big steps.
-# Hence the three bounds below, chosen by bench_model.py (figures: docs/benchmarks.md). ``CAPSERVE_FUSED_ROUTING=0``
-# turns it off; where ``torch.compile`` cannot build (no C++ compiler) it is off.
+# Hence the three bounds below, chosen by bench_model.py (figures: docs/benchmarks/routing.md).
+# ``CAPSERVE_FUSED_ROUTING=0`` turns it off; where ``torch.compile`` cannot build (no C++ compiler) it is off.
 FUSED_MIN_VOTES = 2**24
 
 

@@ -33,7 +33,8 @@ BF16_BACKENDS = ("torch",)  # ONNX Runtime (CPU) and TensorRT take their precisi
 # The start-up check's sample and bound. bf16 keeps 8 bits of mantissa: near-ties between two classes can flip,
 # so agreement on seeded noise images (the hardest case: no class is clearly present) is below 1 even for a good
 # model; a model below the bound has lost more to bf16 than rounding near ties explains (a broken one, e.g. logits
-# on a large offset that bf16 rounds to ties, falls far below it). docs/benchmarks.md has the shipped models' figures.
+# on a large offset that bf16 rounds to ties, falls far below it). docs/benchmarks/runtimes.md has the shipped
+# models' figures.
 BF16_MIN_AGREEMENT = 0.9
 SAMPLE_SIZE = 64
 SAMPLE_SEED = 0

@@ -172,7 +172,7 @@ def prepare_server_process() -> None:
 def freeze_startup_heap() -> None:
     """Exempt every object the server process holds once it has started (libraries, models, warm-up) from Python's
     cyclic garbage collector (``gc.freeze``). Its full collections otherwise walk those long-lived objects over and
-    over under load, a share of the event loop's CPU per request (docs/benchmarks.md, "HTTP request path").
+    over under load, a share of the event loop's CPU per request (docs/benchmarks/serving.md, "HTTP request path").
     Called by the service once its models are loaded; requests' own objects are still collected."""
     gc.collect()
     gc.freeze()
@@ -184,8 +184,8 @@ def untraced_without_exporter() -> bool:
 
     BentoML 1.4.40 runs every request through that middleware (a server span, and a span per receive and per send;
     ``ServiceAppFactory.middlewares`` in ``_bentoml_impl.server.app``) even when no exporter is configured and
-    nothing can be recorded, a large share of the event loop's work per image request (docs/benchmarks.md). Fixed
-    upstream when that property adds the middleware only with an exporter. With an exporter configured, requests
+    nothing can be recorded, a large share of the event loop's work per image request (docs/benchmarks/serving.md).
+    Fixed upstream when that property adds the middleware only with an exporter. With an exporter configured, requests
     are traced.
     """
     try:

@@ -12,7 +12,7 @@ arithmetic (``capserve.runtime.precision.native_bf16``: there autocast emulates 
 The measurement interleaves short rounds of each candidate (fp32, bf16, bf16 + channels-last, fp32, ...) so that
 another process's load falls on all alike, and compares medians; a candidate whose warm-up step takes ``HOPELESS``
 times the fastest's cannot win and is measured no further. docs/training.md ("Precision") is the manual,
-docs/benchmarks.md ("Training in bf16", "Deterministic kernels") has the figures.
+docs/benchmarks/training.md ("Training in bf16", "Deterministic kernels") has the figures.
 """
 
 from __future__ import annotations

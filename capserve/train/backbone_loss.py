@@ -2,7 +2,7 @@
 
 The capsules' loss reaches the backbone only through the primary capsules, their LayerNorm and every routing step;
 on a user's few thousand images the backbone then learns less in a short run than a CNN's does, and the capsules on
-top of it read weaker features (docs/own-data.md, "Capsules beside the CNN"). A linear classifier on the backbone's
+top of it read weaker features (docs/research/capsules-beside-the-cnn.md). A linear classifier on the backbone's
 pooled features gives it a direct signal from the first step, the way auxiliary classifiers do in deep supervision.
 Its pool is a grid (``--backbone-loss-grid N``, N×N cells): a global average where the labels do not follow where
 things lie, 4×4 where they do, so that it keeps where a stroke or a digit lies. The classifier lives beside the

@@ -1,8 +1,8 @@
 """The class capsule layer a user's images choose (``capserve.data.placement`` measures them): its transforms, one
 per position, per cell or per type, and on multi-label images whose labels follow where things lie its poses.
 
-docs/own-data.md has the measurements: "Where things lie", "The class transforms per cell" and "Vector poses with
-shared class transforms where several labels follow where things lie".
+docs/research/where-things-lie.md (a transform per position, per cell or shared) and docs/research/multi-label.md
+("Which poses and class transforms where several labels follow where things lie?") have the measurements.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ DEFAULT_VAL_SIZE = {"builtin": 5000, "own": 0.1}  # images for CIFAR/MNIST; a fr
 # Weight decay without --weight-decay, per optimizer. SGD and Adam add it to the gradient (L2, coupled to the lr and,
 # for Adam, rescaled per parameter); AdamW shrinks the weights directly (decoupled, Loshchilov & Hutter 2019), which
 # is why its value is two orders larger for a similar pull. A strong coupled L2 under SGD at lr 0.1 holds a small
-# model at the label prior on a user's few thousand images (docs/own-data.md, the battery), so SGD keeps the
+# model at the label prior on a user's few thousand images (docs/research/own-data-battery.md), so SGD keeps the
 # authors' value everywhere.
 DEFAULT_WEIGHT_DECAY = {"sgd": 5e-4, "adam": 5e-4, "adamw": 5e-2}
 
@@ -60,37 +60,37 @@ AUTO_RECIPE = {"builtin": ("sgd", "step"), "own": ("adamw", "onecycle")}
 # thousand images make few steps per epoch (short runs learn from the number of steps, not of epochs), and 16 for a
 # capsule network on a user's multi-label images, at the lr that keeps the step per image (Goyal et al.'s linear
 # scaling): there the capsules sit at the label prior for much of a short run, and twice the steps at half the size
-# let them leave it sooner and climb further; the CNN baseline gains nothing from the batch (the battery in
-# docs/own-data.md)
+# let them leave it sooner and climb further; the CNN baseline gains nothing from the batch
+# (docs/research/multi-label.md)
 AUTO_BATCH_SIZE = {"builtin": 128, "own": 32, "own multi-label capsules": 16}
 
 
 # The lr of a capsule network's capsule layers (primary capsules, routed layers, logit read-out) as a multiple of the
 # backbone's, without --capsule-lr-scale: one lr everywhere. A larger step for the capsule layers helps short runs on
-# many classes and lengthens the plateau at the prior that others start on (docs/own-data.md, "Capsules beside the
-# CNN"), so it is the user's choice, not a default. A CNN baseline has no capsule layers: one lr.
+# many classes and lengthens the plateau at the prior that others start on (docs/research/capsules-beside-the-cnn.md),
+# so it is the user's choice, not a default. A CNN baseline has no capsule layers: one lr.
 AUTO_CAPSULE_LR_SCALE = {"builtin": 1.0, "own": 1.0}
 
 
 # The weight of the training-only backbone classifier's loss (``capserve.train.backbone_loss``) beside a capsule
 # network's, without --backbone-loss: on a user's images, where short runs left the capsules behind the CNN, it helped
-# across the battery (docs/own-data.md, "Capsules beside the CNN"); on small things anywhere, where the max-pooled stem
-# learns later than the CNN, twice that weight starts the capsules sooner (``capserve.train.stem``; "A max-pool for
-# small things anywhere"). The built-in data sets keep the paper's recipe.
+# across the battery (docs/research/capsules-beside-the-cnn.md); on small things anywhere, where the max-pooled stem
+# learns later than the CNN, twice that weight starts the capsules sooner (``capserve.train.stem``;
+# docs/research/backbone.md). The built-in data sets keep the paper's recipe.
 AUTO_BACKBONE_LOSS = {"builtin": 0.0, "own": 1.0, "own small things": 2.0}
 
 # The grid the backbone classifier averages the backbone's map over (N×N), without --backbone-loss-grid, by the class
 # capsule transforms the run has: where the labels follow where things lie (a transform per position), a 4×4 grid
 # keeps where a stroke or a digit lies, which a global pool loses (a 2×2 one keeps less, an 8×8 one no more); where
-# they do not (shared transforms), one global pool (docs/own-data.md, "The backbone classifier's grid"). No grid is
-# finer than the backbone's map.
+# they do not (shared transforms), one global pool (docs/research/where-things-lie.md, its grid). No grid is finer
+# than the backbone's map.
 AUTO_BACKBONE_LOSS_GRID = {"per_position": 4, "shared": 1}
 
 # A capsule network's label smoothing of a single-label cross-entropy, without --label-smoothing: on a user's images,
 # 0.1 (Szegedy et al.'s) lifted the capsules' short runs on the sets of many classes and cost none of the others; the
-# CNN baseline it moved by a seed's spread either way, so a CNN keeps whole labels (docs/own-data.md, "Label
-# smoothing"). The built-in data sets keep the paper's recipe. Multi-label targets, and the margin and spread losses of
-# dynamic and EM routing, are never smoothed.
+# CNN baseline it moved by a seed's spread either way, so a CNN keeps whole labels (docs/research/class-capsules.md,
+# label smoothing). The built-in data sets keep the paper's recipe. Multi-label targets, and the margin and spread
+# losses of dynamic and EM routing, are never smoothed.
 AUTO_LABEL_SMOOTHING = {"builtin": 0.0, "own": 0.1}
 
 

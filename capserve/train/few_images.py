@@ -8,8 +8,8 @@ whatever the class count.
 There the class layer holds one set of transforms per class, each learnt from a handful of pictures, and the capsule
 runs fit their training images while their validation score still climbs; a shift and a mirror make new views of a
 framed subject, where things that lie anywhere already show every place, and on a few thousand pictures they only
-slow a short run down. docs/own-data.md, "Many classes from few images" and
-"Few pictures that a mirror keeps", has the measurements.
+slow a short run down. docs/research/class-capsules.md ("What helps many classes from few images?") and
+docs/research/augmentation.md ("When do few pictures a class gain from crop-flip?") have the measurements.
 """
 
 from __future__ import annotations

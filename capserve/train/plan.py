@@ -132,7 +132,7 @@ INIT_CLASSES = 10
 
 def init_classes(cfg: TrainConfig, config: ModelConfig, classes: int) -> int | None:
     """The class transforms' initial scale for a new run on a user's ``classes`` labels: the authors' init for
-    ``INIT_CLASSES`` when there are more (docs/own-data.md, "Capsules beside the CNN"); the config's otherwise, with
+    ``INIT_CLASSES`` when there are more (docs/research/class-capsules.md); the config's otherwise, with
     ``--init`` (its weights) and as given with ``--set init_classes=N``."""
     if "init_classes" in cfg.overrides or cfg.init or not config.has_routing or config.routing_algorithm != "attention":
         return config.init_classes

@@ -37,7 +37,7 @@ def class_norm(cfg: TrainConfig, manifest: Manifest | None) -> tuple[TrainConfig
     attention capsule model with LayerNorm, normalises its class capsules together where one label answers
     (single-label: the classes compete for it, as the softmax over their logits does) and each alone where every
     label answers on its own (multi-label), recorded in ``overrides`` so that ``--resume`` rebuilds the same model
-    (docs/own-data.md, "The class capsules under one LayerNorm"). Otherwise the config's: as given with ``--set
+    (docs/research/class-capsules.md, one LayerNorm). Otherwise the config's: as given with ``--set
     class_norm=...``, ``--init``'s model's, and on the built-in data sets."""
     if "class_norm" in cfg.overrides:
         return cfg, "given"
@@ -60,7 +60,7 @@ def backbone_depth(cfg: TrainConfig, manifest: Manifest | None) -> tuple[TrainCo
     """``cfg`` with the conv backbone's depth chosen (and why). A run from scratch on a user's images, of a capsule
     model on the conv backbone, puts two residual blocks after its first two conv layers in place of the third
     (``OWN_BACKBONE``): only the class layer routes, so the capsules add little that is not linear to what the backbone
-    made of the image (docs/own-data.md, "Residual blocks in front of the capsules"). Recorded in ``overrides`` so
+    made of the image (docs/research/backbone.md, residual blocks). Recorded in ``overrides`` so
     that ``--resume`` rebuilds the same model. Otherwise the config's: as given with ``--set backbone_layers=N`` or
     ``backbone_blocks=N``, ``--init``'s model's, a CNN's, and on the built-in data sets."""
     if OWN_BACKBONE.keys() & cfg.overrides.keys():

@@ -1,7 +1,8 @@
 """The conv backbone's stem a run on a user's images chooses: a max-pool after its first layer that keeps the capsule
 grid of a 32-pixel input for larger images (``stem_pool``), and one in place of its strided second layer for small
 things anywhere, with the heavier backbone loss that goes with it (``pooled_stem``).
-docs/own-data.md has the measurements: "Larger images" and "A max-pool for small things anywhere".
+docs/research/backbone.md has the measurements (the max-pool, larger inputs); docs/own-data.md ("Larger images")
+is the guide.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def pooled_stem(
     """``cfg`` with a max-pool in place of the conv backbone's strided layer, at the same capsule grid, for a capsule
     network on single-label images of small things anywhere (``Placement.small_things``), and why (under
     ``stem_pool``): a small thing shifted by a pixel meets the stride's sampling anew, and a max-pool reports its
-    strongest part wherever it fell (docs/own-data.md, "A max-pool for small things anywhere"). Such a run's backbone
+    strongest part wherever it fell (docs/research/backbone.md, the max-pool). Such a run's backbone
     loss weighs twice that of other runs on a user's images, ``AUTO_BACKBONE_LOSS["own small things"]``, which starts
     the capsules sooner there (why under ``backbone_loss``; as given with ``--backbone-loss``). Nothing for any other
     run, nor with ``--set stem_pool=K`` or ``backbone_stride=K`` given; recorded in ``overrides`` so that

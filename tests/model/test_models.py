@@ -33,7 +33,8 @@ def test_list_models_names_the_paper_configurations():
 
 
 def test_the_vector_conv_model_is_the_own_data_default_with_vector_poses():
-    """``--model cifar10-conv-vector`` is what docs/own-data.md measured as ``--set pose='"vector"'`` on the default."""
+    """``--model cifar10-conv-vector`` is what docs/research/multi-label.md measured as ``--set pose='"vector"'`` on
+    the default."""
     vector, matrix = capserve.get_config("cifar10-conv-vector"), capserve.get_config("cifar10-conv")
     assert vector.pose == "vector" and vector.pose_dim == matrix.pose_dim
     assert dataclasses.replace(vector, name=matrix.name, pose=matrix.pose) == matrix

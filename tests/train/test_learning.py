@@ -309,7 +309,7 @@ def test_with_activations_a_silent_child_changes_nothing():
 def test_objects_anywhere_get_shared_class_transforms_and_learn_with_the_defaults(tmp_path, caplog):
     """A small mark anywhere on noise: the run measures that its labels do not follow position, takes one class
     transform per capsule type (recorded, so that --resume rebuilds the same model), says why, and learns. (With a
-    transform per position the same run stays at the prior: docs/own-data.md.)"""
+    transform per position the same run stays at the prior: docs/research/where-things-lie.md.)"""
     data = write_marks(tmp_path / "marks", 100, np.random.default_rng(0), placed=True)
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="capserve"):
