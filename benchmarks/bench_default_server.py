@@ -76,13 +76,13 @@ def raw(path: Path, batches: int = 10) -> tuple[float, float]:
 
 
 def main() -> None:
+    print(f"# CPU: {cpu_info().describe()}", flush=True)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(ROOT / "models" / "cifar10"))
     p.add_argument("--budget", type=float, default=240.0, help="capserve tune --budget (default %(default)g s)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=15.0, help="seconds of load per server and round")
     args = p.parse_args()
-    print(f"# CPU: {cpu_info().describe()}", flush=True)
     bodies = [random_png(32, seed) for seed in range(16)]
     with tempfile.TemporaryDirectory(prefix="capserve-bench-") as tmp:
         home = Path(tmp)

@@ -28,6 +28,10 @@ COMMANDS = {
     "serve": ("capserve.serving.cli", "serve a model over HTTP (bentoml serve of capserve's service)"),
     "tune": ("capserve.serving.tune", "measure the serving choices on this machine; serve then uses them"),
     "predict": ("capserve.predict.cli", "the service's answers for files, folders or CSVs, without a server"),
+    "familiarity": (
+        "capserve.evaluate.familiar",
+        "fit what a model folder calls familiar on its data: answers then say when an image is unlike it",
+    ),
     "models": ("capserve.cli", "list the named model configurations with their parameter counts"),
 }
 

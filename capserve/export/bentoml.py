@@ -5,7 +5,8 @@ into the bento, and ``bentoml models push`` uploads them. The stored model is th
 ``config.json``, ``model.safetensors``, ``model.onnx`` and ``model-explain.onnx`` (exported into the stored copy
 when the folder lacks them; the source folder is never written), the folder's other graphs (an INT8 graph,
 ``model-int8.onnx``), a TensorRT engine with its sidecar when present, ``tuned.json`` and ``MODEL_CARD.md``. Every
-graph must have been exported from the folder's weights. The service serves it with ``CAPSERVE_MODEL=NAME[:VERSION]``.
+graph must have been exported from the folder's weights. The unfamiliarity calibration
+(``familiarity.safetensors``) travels too. The service serves it with ``CAPSERVE_MODEL=NAME[:VERSION]``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from capserve.errors import ExportError
 from capserve.hashing import file_sha256
 from capserve.model.checkpoint import CONFIG, WEIGHTS, read_config, read_extra
+from capserve.runtime.familiarity import FAMILIARITY_FILE
 from capserve.runtime.metadata import METADATA_KEY
 
 from .onnx import read_metadata
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 
 ONNX, EXPLAIN_ONNX = "model.onnx", "model-explain.onnx"
 # copied when present; the tuned file travels with the model into a bento (capserve.serving.tuned)
-OPTIONAL = ("model.plan", "model.plan.json", "MODEL_CARD.md", "tuned.json")
+OPTIONAL = ("model.plan", "model.plan.json", "MODEL_CARD.md", "tuned.json", FAMILIARITY_FILE)
 EXPORT_FLAGS = {ONNX: "", EXPLAIN_ONNX: " --explain"}  # how each graph is made; any other: an INT8 one
 MODULE = "capserve"  # the stored model's framework ("module") in `bentoml models list`
 

@@ -26,13 +26,29 @@ from capserve.files import partial_file
 from capserve.hardware import CpuInfo, cpu_info
 from capserve.records import checked_fields
 from capserve.runtime.base import Runtime
-from capserve.runtime.metadata import INT8_CHECK_KEY, METADATA_KEY, PRECISION_KEY, Int8Check, ModelMetadata
+from capserve.runtime.metadata import (
+    CLASS_POSES,
+    INT8_CHECK_KEY,
+    LOGITS,
+    METADATA_KEY,
+    PRECISION_KEY,
+    Int8Check,
+    ModelMetadata,
+)
 from capserve.runtime.precision import decisions
 
 from .calibration import DEFAULT_IMAGES, GATE_IMAGES, CalibrationSet, read_calibration
 from .gate import INT8_MAX_ACCURACY_LOSS, INT8_MIN_AGREEMENT, GateReport, diagnose, score_logits
 from .onnx import DEFAULT_OPSET, export_onnx, load_checkpoint, read_metadata, set_metadata
-from .quantize import MAX_FLOAT_NODES, QUANTIZED_OPS, Quantizer, chosen_variants, keep_sensitive_in_float, runtime_for
+from .quantize import (
+    MAX_FLOAT_NODES,
+    QUANTIZED_OPS,
+    Quantizer,
+    chosen_variants,
+    class_capsule_nodes,
+    keep_sensitive_in_float,
+    runtime_for,
+)
 from .speed import MIN_SPEEDUP, SPEED_BATCH, Candidate, best_quality, check_speedup, choose_variant
 
 __all__ = ["INT8_KEY", "Int8Summary", "check_record", "export_int8", "fp32_graph", "read_summary"]
@@ -176,7 +192,7 @@ def fp32_graph(
             and meta.weights_sha256 == digest
             and meta.iterations == T
             and props.get(PRECISION_KEY, "fp32") == "fp32"
-            and len(proto.graph.output) == 1
+            and [o.name for o in proto.graph.output] in ([LOGITS], [LOGITS, CLASS_POSES])  # no explanation graph
             and opset in (None, version)
         ):
             log.info("int8: fp32 graph %s %s (same weights and T)", shipped, use)
@@ -225,7 +241,8 @@ def export_int8(
         min_speedup: the least batch-32 speed-up over fp32 on this machine (``target`` onnxruntime); below it
             ``Int8SpeedError``, unless ``keep_slow``.
         target: ``onnxruntime`` (CPUs) or ``tensorrt`` (``capserve export tensorrt --int8``; not timed here).
-        keep_float: Conv/MatMul/Gemm node names to leave in float from the start.
+        keep_float: Conv/MatMul/Gemm node names to leave in float from the start; a capsule network's class
+            capsule layer always stays in float (``class_capsule_nodes``).
         max_float_nodes: how many more nodes ``keep_sensitive_in_float`` may leave in float when the calibration
             images' agreement is below ``min_agreement`` (0: no search).
         cpu: the processor the variants are chosen for (``variants_for``) and the record names (default this one).
@@ -239,6 +256,7 @@ def export_int8(
     cpu = cpu or cpu_info()
     names = chosen_variants(cpu, target, variants)
     data, fp32_proto = read_inputs(checkpoint, calibration, images, gate_images, iterations, opset)
+    keep_float = tuple(dict.fromkeys((*keep_float, *class_capsule_nodes(fp32_proto))))
     fp32 = Fp32Answers.of(fp32_proto, data)
     with Quantizer(fp32_proto, data.images, target, method) as quantizer:
         candidates = [

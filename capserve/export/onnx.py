@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import shutil
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -37,7 +38,16 @@ from capserve.files import partial_file
 from capserve.hashing import file_sha256
 from capserve.model.capsnet import CapsNet, part_whole
 from capserve.model.checkpoint import WEIGHTS, not_learned_warning
-from capserve.runtime.metadata import CONFIG_KEY, LOGITS, METADATA_KEY, PART_WHOLE, PRECISION_KEY, ModelMetadata
+from capserve.runtime.familiarity import FAMILIARITY_FILE
+from capserve.runtime.metadata import (
+    CLASS_POSES,
+    CONFIG_KEY,
+    LOGITS,
+    METADATA_KEY,
+    PART_WHOLE,
+    PRECISION_KEY,
+    ModelMetadata,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,23 +59,27 @@ MAX_BATCH = 1 << 16  # upper bound of the dynamic batch axis (a bound the export
 
 
 class Unrolled(nn.Module):
-    """``model(images, iterations=T)`` with T fixed, so that tracing unrolls the routing loop."""
+    """``model(images, iterations=T)`` with T fixed, so that tracing unrolls the routing loop; a capsule network's
+    class capsules beside the logits (its unfamiliarity score reads them: ``capserve.runtime.familiarity``)."""
 
     def __init__(self, model: CapsNet, iterations: int):
         super().__init__()
         self.model, self.iterations = model, iterations
 
-    def forward(self, images: Tensor) -> Tensor:
-        return self.model(images, iterations=self.iterations)  # (B, C)
+    def forward(self, images: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        if not self.model.config.has_routing:
+            return self.model(images, iterations=self.iterations)  # (B, C)
+        poses, _ = self.model.route(images, self.iterations, keep_coefficients=False)
+        return self.model.logits_from(poses[-1]), poses[-1]  # (B, C), (B, C, D)
 
 
 class UnrolledExplain(Unrolled):
-    """Logits and the part-whole parse (see ``RoutingTrace.part_whole``) for a fixed T."""
+    """Logits, the part-whole parse (see ``RoutingTrace.part_whole``) and the class capsules for a fixed T."""
 
-    def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         poses, coefficients = self.model.route(images, self.iterations, keep_coefficients=True)
         logits = self.model.logits_from(poses[-1])  # (B, C), whatever the routing's read-out
-        return logits, part_whole(poses, coefficients)  # (B, C), (B, C, H, W, I)
+        return logits, part_whole(poses, coefficients), poses[-1]  # (B, C), (B, C, H, W, I), (B, C, D)
 
 
 def weights_sha256(model: CapsNet) -> str:
@@ -177,7 +191,7 @@ def to_onnx_proto(model: CapsNet, iterations: int, opset: int = DEFAULT_OPSET, e
     wrapper = (UnrolledExplain if explain else Unrolled)(model.eval(), T).eval()
     example = torch.zeros(2, c.in_channels, c.image_size, c.image_size)  # batch 2: 1 would be specialised
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-    outputs = [LOGITS, PART_WHOLE] if explain else [LOGITS]
+    outputs = [LOGITS, PART_WHOLE, CLASS_POSES] if explain else [LOGITS, CLASS_POSES] if c.has_routing else [LOGITS]
     with _quiet_exporter(), torch.no_grad():
         program = torch.onnx.export(
             wrapper,
@@ -270,12 +284,19 @@ def output_paths(output: str | Path, iterations: Sequence[int]) -> list[Path]:
 def export_checkpoint(
     checkpoint: str | Path, output: str | Path, iterations: Sequence[int] | None = None, **options: Any
 ) -> list[Path]:
-    """Export a model directory once per T in ``iterations`` (default: the config's); returns the files written."""
+    """Export a model directory once per T in ``iterations`` (default: the config's); returns the files written.
+    The folder's unfamiliarity calibration goes beside graphs written into another folder, where a server opening
+    the graph file reads it (``capserve.pipeline.models.open_model``)."""
     model, digest = load_checkpoint(checkpoint)
     Ts = list(iterations) if iterations else [model.resolve_iterations(None)]  # the config's T (None: a CNN)
     for T in Ts:
         model.resolve_iterations(T)  # validate all before the (slow) exports start
-    return [
+    written = [
         export_onnx(model, path, T, weights_digest=digest, **options)
         for T, path in zip(Ts, output_paths(output, Ts), strict=True)
     ]
+    calibration = Path(checkpoint) / FAMILIARITY_FILE
+    for folder in {path.parent.resolve() for path in written} - {Path(checkpoint).resolve()}:
+        if calibration.is_file():
+            shutil.copy2(calibration, folder / FAMILIARITY_FILE)
+    return written

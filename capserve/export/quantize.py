@@ -38,6 +38,7 @@ __all__ = [
     "Variant",
     "check_tensorrt_int8",
     "chosen_variants",
+    "class_capsule_nodes",
     "excluded_nodes",
     "keep_sensitive_in_float",
     "quantize",
@@ -106,6 +107,37 @@ def excluded_nodes(proto: Any) -> list[str]:
         for n in proto.graph.node
         if n.op_type in QUANTIZED_OPS and len(n.input) > 1 and n.input[1] not in weights
     ]
+
+
+# ops that only move values: a quantized node reading the class capsules through them still quantizes them
+SHAPE_OPS = ("Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity")
+
+
+def class_capsule_nodes(proto: Any) -> list[str]:
+    """The Conv/MatMul/Gemm nodes that read the graph's ``class_poses`` output (the read-out of the logits), left in
+    float: quantizing them puts a quantize-dequantize pair on the class capsules themselves, and the int8 graph would
+    return capsules rounded by as much as the unfamiliarity score's own spread (``capserve.runtime.familiarity``,
+    whose calibration reads fp32 capsules). [] for a graph without that output (a CNN)."""
+    from capserve.runtime.metadata import CLASS_POSES
+
+    if CLASS_POSES not in {o.name for o in proto.graph.output}:
+        return []
+    readers: dict[str, list[Any]] = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    found: list[str] = []
+    pending, seen = [CLASS_POSES], set()
+    while pending:
+        for node in readers.get(pending.pop(), []):
+            if node.name in seen:
+                continue
+            seen.add(node.name)
+            if node.op_type in QUANTIZED_OPS:
+                found.append(node.name)
+            elif node.op_type in SHAPE_OPS:
+                pending.extend(node.output)
+    return sorted(found)
 
 
 class _Reader:

@@ -2,7 +2,8 @@
 (the HTTP service's routes, ``capserve predict`` and ``Predictor``), so that all of them answer alike.
 
 The steps are methods too: ``options`` (``top_k``, ``threshold`` checked), ``decode`` (an image → pixels),
-``logits`` (pixels → logits) and ``answers`` (logits → answers). The service's adaptive batching runs its batches
+``outputs`` (pixels → logits and unfamiliarity) and ``answers`` (those → answers). The service's adaptive batching
+runs its batches
 between ``decode`` and ``answers`` (``capserve.serving.batching``), and ``capserve predict`` decodes ahead of
 ``answer_pixels`` in a thread pool; everything else calls ``answer``."""
 
@@ -16,7 +17,7 @@ from capserve.data.images import DEFAULT_MAX_PIXELS
 from capserve.pipeline.answers import classifications, multilabel_answers
 from capserve.pipeline.decoding import Upload, decode
 from capserve.pipeline.errors import ErrorKind, RequestError
-from capserve.pipeline.inference import logits_of
+from capserve.pipeline.inference import Outputs, logits_of, outputs_of
 from capserve.pipeline.schemas import Classification, MultiLabel
 from capserve.runtime import Runtime
 from capserve.runtime.outputs import answer_options
@@ -78,11 +79,16 @@ class Answerer:
         """uint8 (B, C, H, W) → float32 logits (B, classes), ``batch_size`` images at a time (default all)."""
         return logits_of(self.runtime, pixels, batch_size)
 
-    def answers(self, logits: np.ndarray, top_k: int, threshold: float | None) -> list[Answer]:
-        """Logits (B, classes) → one answer per image, for ``top_k`` and ``threshold`` as ``options`` gives them."""
+    def outputs(self, pixels: np.ndarray, batch_size: int | None = None) -> Outputs:
+        """uint8 (B, C, H, W) → the logits and each image's unfamiliarity (``outputs_of``)."""
+        return outputs_of(self.runtime, pixels, batch_size)
+
+    def answers(self, outputs: Outputs, top_k: int, threshold: float | None) -> list[Answer]:
+        """``Outputs`` of B images → one answer per image, for ``top_k`` and ``threshold`` as ``options`` gives
+        them."""
         if self.multi_label:
-            return multilabel_answers(logits, self.metadata, threshold)
-        return classifications(logits, self.metadata, top_k)
+            return multilabel_answers(outputs.logits, self.metadata, threshold, outputs.unfamiliarity)
+        return classifications(outputs.logits, self.metadata, top_k, outputs.unfamiliarity)
 
     def answer_pixels(
         self, decoded: Sequence[np.ndarray | RequestError], top_k: int, threshold: float | None
@@ -90,8 +96,8 @@ class Answerer:
         """Decoded images uint8 (C, H, W), or the error that refused one, → one answer per image in order, the
         errors in their places; the images run through the model together, ``batch_size`` at a time."""
         good = [d for d in decoded if isinstance(d, np.ndarray)]
-        logits = self.logits(np.stack(good), self.batch_size) if good else None  # (B, classes)
-        answers = iter(self.answers(logits, top_k, threshold) if logits is not None else [])
+        outputs = self.outputs(np.stack(good), self.batch_size) if good else None
+        answers = iter(self.answers(outputs, top_k, threshold) if outputs is not None else [])
         return [next(answers) if isinstance(d, np.ndarray) else d for d in decoded]
 
     def answer(

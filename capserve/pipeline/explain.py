@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from capserve.data.preprocess import normalize_images
-from capserve.pipeline.answers import top_labels
+from capserve.pipeline.answers import familiar, top_labels
 from capserve.pipeline.schemas import Capsule, Explained, Occluded
 from capserve.runtime import Runtime
 from capserve.runtime.outputs import softmax
@@ -200,11 +200,16 @@ def occlusion_png(image: np.ndarray, occluded: Occlusion, scale: int = 8, alpha:
 
 
 def explained(
-    pixels: np.ndarray, explainer: Runtime, logits_of: Callable[[np.ndarray], np.ndarray], capsules: int
+    pixels: np.ndarray,
+    explainer: Runtime,
+    logits_of: Callable[[np.ndarray], np.ndarray],
+    capsules: int,
+    unfamiliarity: np.ndarray | None = None,
 ) -> Explained:
     """``/explain``'s answer for one image uint8 (C, H, W): ``explainer``'s prediction and part-whole parse (the
-    ``capsules`` grid capsules routing most strongly to the predicted class), and the occlusion map of the served
-    model, whose logits ``logits_of`` gives for uint8 images (B, C, H, W)."""
+    ``capsules`` grid capsules routing most strongly to the predicted class), the occlusion map of the served
+    model, whose logits ``logits_of`` gives for uint8 images (B, C, H, W), and the image's ``unfamiliarity`` (1,)
+    when the served model has one."""
     meta = explainer.metadata
     explanation = explainer.explain(normalize_images(pixels[None], meta))
     occluded = occlusion(pixels, np.asarray(meta.mean), logits_of)
@@ -243,4 +248,5 @@ def explained(
             forward_passes=occluded.forward_passes,
             heatmap_png=base64.b64encode(occlusion_png(pixels, occluded)).decode(),
         ),
+        **familiar(unfamiliarity, 1)[0],
     )

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from capserve.errors import ConfigurationError, PrecisionError, RuntimeLoadError
 from capserve.model.checkpoint import not_learned_warning
 from capserve.runtime import Runtime, load_runtime
+from capserve.runtime.familiarity import read_familiarity
 from capserve.runtime.precision import BF16_MIN_AGREEMENT, open_torch, resolve_precision
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class ModelOptions(Protocol):
     bf16_min_agreement: float
     artifact: str | None
     max_batch_size: int
+    unfamiliar: bool
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class OpenOptions:
     bf16_min_agreement: float = BF16_MIN_AGREEMENT  # bf16 start-up check: least agreement with fp32, else fp32
     artifact: str | None = None  # a graph in the folder other than model.onnx
     max_batch_size: int = 32  # the service's adaptive batching default: above 1, lone requests run apart
+    unfamiliar: bool = True  # answers carry each image's unfamiliarity where the model has a calibration
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ def lone_request_options(settings: ModelOptions) -> dict[str, Any]:
     their own session (``batch_runtime``) and this one mostly runs lone requests, one at a time: its threads may spin
     between an operator's parallel sections instead of sleeping and waking (ONNX Runtime's default, which every
     other session here turns off), which lowers a lone request's latency without costing throughput under load
-    (docs/benchmarks.md, "HTTP request path"). With batching off, concurrent requests share this session, and
+    (docs/benchmarks/serving.md, "HTTP request path"). With batching off, concurrent requests share this session, and
     spinning threads would take the cores their peers need."""
     if settings.backend != "onnxruntime":
         return {}
@@ -102,7 +105,20 @@ def resolve_model(spec: str) -> ModelSource:
 
 def open_model(spec: str, settings: ModelOptions, explain: bool = True) -> tuple[Runtime, Runtime | None, ModelSource]:
     """The runtime for predictions, the one for explanations (None when the model has none, or ``explain`` is False:
-    the multi-label model, which /explain does not use), and the source."""
+    the multi-label model, which /explain does not use), and the source. The runtime carries the model's
+    unfamiliarity calibration (``familiarity.safetensors`` in its folder, or beside a graph file) unless
+    ``settings.unfamiliar`` is off."""
+    runtime, explainer, source = _open(spec, settings, explain)
+    if settings.unfamiliar:
+        folder = source.path if source.path.is_dir() else source.path.parent
+        try:
+            runtime.familiarity = read_familiarity(folder)
+        except ValueError as e:
+            raise ConfigurationError(f"{e}: fit it again with `capserve familiarity {folder} --data DATA`") from e
+    return runtime, explainer, source
+
+
+def _open(spec: str, settings: ModelOptions, explain: bool) -> tuple[Runtime, Runtime | None, ModelSource]:
     source = resolve_model(spec)
     path = source.path
     if path.is_file():

@@ -17,12 +17,30 @@ class Label(BaseModel):
 
 
 Iterations = Annotated[int | None, Field(description="routing iterations T; null: the model is a CNN without routing")]
+Unfamiliarity = Annotated[
+    float | None,
+    Field(
+        description="how unlike the images the model learned from this one is: the distance of its class capsules "
+        "to the training images', over the distance 95 % of the model's validation images stay within (above 1: "
+        "unfamiliar); null: the model has no calibration (`capserve familiarity MODEL --data DATA`) or the "
+        "server turned it off (CAPSERVE_UNFAMILIAR=0)"
+    ),
+]
+Unfamiliar = Annotated[
+    bool | None,
+    Field(
+        description="unfamiliarity above 1: the image is unlike anything the model learned, so its labels say little "
+        "about it; null as unfamiliarity"
+    ),
+]
 
 
 class Classification(BaseModel):
     model: str
     iterations: Iterations
     predictions: list[Label] = Field(description="the top_k labels, most probable first")
+    unfamiliarity: Unfamiliarity = None
+    unfamiliar: Unfamiliar = None
 
 
 class MultiLabel(BaseModel):
@@ -32,6 +50,8 @@ class MultiLabel(BaseModel):
     labels: list[Label] = Field(description="every label whose probability passed its threshold, most probable first")
     probabilities: dict[str, float]
     thresholds: dict[str, float]
+    unfamiliarity: Unfamiliarity = None
+    unfamiliar: Unfamiliar = None
 
 
 class Capsule(BaseModel):
@@ -73,3 +93,5 @@ class Explained(BaseModel):
     occlusion: Occluded = Field(
         description="occlusion sensitivity: where greying the image lowers the predicted class (served model's runtime)"
     )
+    unfamiliarity: Unfamiliarity = None
+    unfamiliar: Unfamiliar = None

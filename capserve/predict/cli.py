@@ -34,7 +34,9 @@ from capserve.runtime import BACKENDS
 
 log = logging.getLogger(__name__)
 
-CSV_COLUMNS = ("path", "label", "probability", "answer", "error")
+# the last two: how unlike the model's training images the image is, and whether above its threshold (empty where
+# the model has no calibration)
+CSV_COLUMNS = ("path", "label", "probability", "answer", "error", "unfamiliarity", "unfamiliar")
 PREFETCH_BATCHES = 2  # batches decoded ahead of the one the runtime answers
 
 
@@ -117,12 +119,13 @@ class Writer:
             self.stream.write(json.dumps({"path": path, **record}) + "\n")
             return
         if "error" in record:
-            self.csv.writerow((path, "", "", "", record["error"]))
+            self.csv.writerow((path, "", "", "", record["error"], "", ""))
             return
         top = (record.get("predictions") or record.get("labels") or [None])[0]
-        self.csv.writerow(
-            (path, top["label"] if top else "", f"{top['probability']:.6g}" if top else "", json.dumps(record), "")
-        )
+        label, probability = (top["label"], f"{top['probability']:.6g}") if top else ("", "")
+        score, flag = record.get("unfamiliarity"), record.get("unfamiliar")
+        familiar = ("", "") if score is None else (f"{score:.6g}", "true" if flag else "false")
+        self.csv.writerow((path, label, probability, json.dumps(record), "", *familiar))
 
 
 # ------------------------------------------------------------------------------------------------ the run

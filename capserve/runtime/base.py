@@ -11,6 +11,7 @@ from typing import TypeVar
 import numpy as np
 
 from capserve.errors import InputError, RuntimeLoadError  # noqa: F401  (RuntimeLoadError: re-exported)
+from capserve.runtime.familiarity import Familiarity
 from capserve.runtime.metadata import ModelMetadata
 
 T = TypeVar("T")
@@ -51,6 +52,9 @@ class Runtime(ABC):
     backend: str
     precision: str = "fp32"  # the arithmetic inference actually uses: fp32, fp16 (graph) or bf16 (torch autocast)
     precision_reason: str = ""  # why, when a server chose it (capserve.runtime.precision.open_torch)
+    # the model folder's unfamiliarity calibration (capserve.runtime.familiarity), attached by whoever opens it for
+    # answers (capserve.pipeline.models.open_model); None: answers carry no unfamiliarity
+    familiarity: Familiarity | None = None
 
     @property
     @abstractmethod
@@ -72,6 +76,21 @@ class Runtime(ABC):
         if len(images) <= batch_size:  # an empty batch included: ``check_batch`` says what is wrong with it
             return self.predict(images)
         return np.concatenate([self.predict(images[i : i + batch_size]) for i in range(0, len(images), batch_size)])
+
+    def infer(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Logits (B, C) and a capsule network's class capsules (B, C, D) for a checked batch of normalised images;
+        None in place of the capsules for a CNN, or a graph exported without them."""
+        return self.predict(batch), None
+
+    def infer_in_batches(self, images: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """``infer`` for any number of images, ``batch_size`` at a time (as ``predict_in_batches``)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(images) <= batch_size:
+            return self.infer(images)
+        parts = [self.infer(images[i : i + batch_size]) for i in range(0, len(images), batch_size)]
+        poses = None if parts[0][1] is None else np.concatenate([p for _, p in parts])  # type: ignore[misc]
+        return np.concatenate([logits for logits, _ in parts]), poses
 
     def explain(self, batch: np.ndarray) -> Explanation:
         """Logits and part-whole parse; backends without routing outputs raise NotImplementedError."""

@@ -34,6 +34,11 @@ INT8_CHECK_KEY = "capserve.int8_check"
 LOGITS, PART_WHOLE = "logits", "part_whole"
 
 
+# a capsule network's class capsules (B, C, D), beside the logits: what its unfamiliarity score reads
+# (capserve.runtime.familiarity)
+CLASS_POSES = "class_poses"
+
+
 @dataclass(frozen=True)
 class ModelMetadata:
     """What a served artifact must say about itself; stored as JSON inside ONNX files and engine sidecars."""

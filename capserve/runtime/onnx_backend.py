@@ -17,6 +17,7 @@ from capserve.hardware import cpu_info
 from capserve.routing.registry import ROUTINGS, update_is_read
 from capserve.runtime.base import Explanation, Runtime, in_worker_thread
 from capserve.runtime.metadata import (
+    CLASS_POSES,
     CONFIG_KEY,
     INT8_CHECK_KEY,
     LOGITS,
@@ -65,7 +66,7 @@ MEMORY_BUDGET_MB = 512
 
 
 # ONNX Runtime's peak over its base, per vote byte of the routed layers (the votes, their products with the parents
-# and the weighted votes), rounded up so that a chunk stays inside the budget (docs/benchmarks.md)
+# and the weighted votes), rounded up so that a chunk stays inside the budget (docs/benchmarks/memory.md)
 VOTE_COPIES = 3
 
 
@@ -146,7 +147,7 @@ def session_options(ort: Any, graph_optimization: str, threads: int, memory_aren
     options.intra_op_num_threads = threads
     options.enable_cpu_mem_arena = memory_arena
     # batch sizes vary from call to call (adaptive batching): a memory pattern is planned and kept per input
-    # shape, which costs more memory than it saves time (docs/benchmarks.md)
+    # shape, which costs more memory than it saves time (docs/benchmarks/memory.md)
     options.enable_mem_pattern = False
     options.log_severity_level = 3  # errors only: provider fallbacks are checked and reported in OnnxRuntime
     return options
@@ -245,6 +246,7 @@ class OnnxRuntime(Runtime):
                 f"{self.path}: input {inputs[0].type} {inputs[0].shape} does not match its "
                 f"metadata's float (B, {self.metadata.input_shape}); re-export it"
             )
+        self.has_class_poses = CLASS_POSES in outputs
         return inputs[0].name, PART_WHOLE in outputs
 
     def _config(self) -> ModelConfig | None:
@@ -305,6 +307,12 @@ class OnnxRuntime(Runtime):
 
     def _predict(self, batch: np.ndarray) -> np.ndarray:
         return self._run([LOGITS], batch)[0]
+
+    def infer(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        if not self.has_class_poses:
+            return self.predict(batch), None
+        logits, poses = self._run([LOGITS, CLASS_POSES], self.check_batch(batch))
+        return logits, poses
 
     def explain(self, batch: np.ndarray) -> Explanation:
         if not self.explainable:

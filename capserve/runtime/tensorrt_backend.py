@@ -21,7 +21,7 @@ from capserve.errors import InputError, RuntimeLoadError
 from capserve.hashing import sha256_bytes
 from capserve.records import checked_fields
 from capserve.runtime.base import Explanation, Runtime
-from capserve.runtime.metadata import LOGITS, PART_WHOLE, ModelMetadata
+from capserve.runtime.metadata import CLASS_POSES, LOGITS, PART_WHOLE, ModelMetadata
 
 SIDECAR_FORMAT = 1
 TENSORRT_MISSING = (
@@ -250,6 +250,12 @@ class TensorRTRuntime(Runtime):
 
     def _predict(self, batch: np.ndarray) -> np.ndarray:
         return self._run(batch, [LOGITS])[0]
+
+    def infer(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        if CLASS_POSES not in self._outputs:  # an engine built from a graph exported without them
+            return self.predict(batch), None
+        logits, poses = self._run(self.check_batch(batch), [LOGITS, CLASS_POSES])
+        return logits, poses
 
     def explain(self, batch: np.ndarray) -> Explanation:
         if PART_WHOLE not in self._outputs:

@@ -85,6 +85,16 @@ class TorchRuntime(Runtime):
         with self._autocast():
             return self.model(x, iterations=self.iterations).float().cpu().numpy()
 
+    @torch.inference_mode()
+    def infer(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        if not self.model.config.has_routing:
+            return self.predict(batch), None
+        x = torch.from_numpy(self.check_batch(batch)).to(self.device)
+        with self._autocast():
+            poses, _ = self.model.route(x, self.iterations, keep_coefficients=False)
+            logits = self.model.logits_from(poses[-1])  # (B, C)
+        return logits.float().cpu().numpy(), poses[-1].float().cpu().numpy()  # (B, C), (B, C, D)
+
     def trace(self, batch: np.ndarray) -> RoutingTrace:
         """Logits, poses and routing coefficients of every layer (eager only; capsule networks only)."""
         if not self.model.config.has_routing:

@@ -25,7 +25,7 @@ from capserve.pipeline.answerer import Answer, Answerer
 from capserve.pipeline.decoding import Upload, decode
 from capserve.pipeline.errors import ErrorKind, RequestError
 from capserve.pipeline.explain import explained
-from capserve.pipeline.inference import logits_of
+from capserve.pipeline.inference import outputs_of
 from capserve.pipeline.models import ARTIFACTS, EXPLAIN_ARTIFACT, ModelSource, has_routing, open_model, resolve_model
 from capserve.pipeline.schemas import Classification, Explained, MultiLabel
 from capserve.runtime import Runtime
@@ -106,7 +106,7 @@ class Capsules:
             }
             self.batching = settings.max_batch_size > 1
             # multilabel → adaptive batching of its single-image requests (their own ONNX Runtime session on CPUs)
-            infer = functools.partial(self.run, logits_of)
+            infer = functools.partial(self.run, outputs_of)
             self.batchers = {
                 multilabel: Batcher(runtime, settings, ENDPOINTS[multilabel], infer, self.shed)
                 for multilabel, runtime in runtimes.items()
@@ -248,8 +248,8 @@ class Capsules:
                 pixels = self.decode_small(answerer, image)
                 if pixels is None:
                     pixels = await self.run(answerer.decode, image)
-                logits = await self.batchers[multilabel](pixels[None])  # (1, classes)
-                return answerer.answers(logits, top_k, threshold)[0]
+                outputs = await self.batchers[multilabel](pixels[None])  # one image's
+                return answerer.answers(outputs, top_k, threshold)[0]
             if self.batching:
                 batch_size_histogram().labels(endpoint=ENDPOINTS[multilabel]).observe(1)
             (answer,) = await self.run(answerer.answer, [image], top_k, threshold)
@@ -322,10 +322,24 @@ class Capsules:
         def logits(copies: np.ndarray) -> np.ndarray:  # every occluded copy in one call, in the server's batches
             return served.logits(copies, self.settings.max_batch_size)
 
-        return await self.run(explained, pixels, explainer, logits, capsules)
+        def answer() -> Explained:  # the served model says how familiar the image is, as /classify does
+            return explained(pixels, explainer, logits, capsules, served.outputs(pixels[None]).unfamiliarity)
+
+        return await self.run(answer)
 
     def describe(self) -> dict[str, Any]:
         """GET /model: the served models (with their store tags), batching, limits, versions."""
+
+        def unfamiliarity(runtime: Runtime) -> str:
+            if not self.settings.unfamiliar:
+                return "off (CAPSERVE_UNFAMILIAR=0)"
+            if runtime.familiarity is None:
+                return "none: the model folder has no calibration (capserve familiarity MODEL --data DATA)"
+            f = runtime.familiarity.fitted
+            return (
+                f"calibrated on {f.get('train_images')} training and {f.get('validation_images')} validation images, "
+                f"{100 * f.get('familiar_share', 0):.0f} % of them familiar"
+            )
 
         def model(runtime: Runtime | None, source: ModelSource | None) -> dict[str, Any] | None:
             if runtime is None:
@@ -339,6 +353,7 @@ class Capsules:
                 "precision": runtime.precision,
                 "precision_reason": runtime.precision_reason,
                 "tag": source.tag if source else None,
+                "unfamiliarity": unfamiliarity(runtime),
             }
 
         import bentoml

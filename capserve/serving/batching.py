@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from capserve.hardware import available_cores
+from capserve.pipeline.inference import Outputs
 from capserve.runtime import Runtime, load_runtime
 from capserve.serving.settings import Settings
 
@@ -36,7 +37,7 @@ __all__ = [
 log = logging.getLogger("capserve.service")
 
 # An upload at most this large decodes on the event loop under load: a small PNG or JPEG decodes faster than the
-# hops to a worker thread and back (docs/benchmarks.md, "HTTP request path"). A larger one decodes in a worker
+# hops to a worker thread and back (docs/benchmarks/serving.md, "HTTP request path"). A larger one decodes in a worker
 # thread, beside the event loop.
 INLINE_DECODE_BYTES = 64 * 1024
 
@@ -65,13 +66,17 @@ def batch_runtime(runtime: Runtime, settings: Settings) -> Runtime:
     worker's cores (``settings.threads``, capserve.serving.workers) split between the batches in flight
     (``batches_for``; on 2 cores: one intra-op thread each), so that the next batch starts while one runs and no
     run waits on a peer thread descheduled by another, which costs less CPU per request than one batch at a time
-    on all the cores (docs/benchmarks.md). Lone requests keep ``runtime`` and all the worker's cores (the lowest
+    on all the cores (docs/benchmarks/serving.md). Lone requests keep ``runtime`` and all the worker's cores (the lowest
     latency). Other backends: itself.
     """
     if runtime.backend != "onnxruntime" or settings.device != "cpu":
         return runtime
     threads = settings.threads or available_cores()
-    return load_runtime(runtime.path, "onnxruntime", settings.device, threads=max(1, threads // batches_for(threads)))
+    batches = load_runtime(
+        runtime.path, "onnxruntime", settings.device, threads=max(1, threads // batches_for(threads))
+    )
+    batches.familiarity = runtime.familiarity  # the same model: its answers carry the same unfamiliarity
+    return batches
 
 
 def refit_batch_times(optimizer: Any) -> None:
@@ -98,10 +103,10 @@ def refit_batch_times(optimizer: Any) -> None:
 
 class Batcher:
     """Adaptive batching of one model's single-image requests: ``await batcher(pixels)``, uint8 (1, C, H, W) →
-    logits (1, classes), merged with concurrent requests into batches of up to ``settings.max_batch_size``.
+    ``Outputs`` of one image, merged with concurrent requests into batches of up to ``settings.max_batch_size``.
 
     The batches run on ``runtime`` (``batch_runtime`` of the served one), at most ``in_flight`` at once, each
-    through ``infer(runtime, pixels)`` (B, C, H, W) → logits (B, classes). A request that the engine expects to
+    through ``infer(runtime, pixels)`` (B, C, H, W) → ``Outputs`` of B images. A request that the engine expects to
     wait longer than ``CAPSERVE_MAX_LATENCY_MS`` is shed: it raises ``shed(message)`` (the server answers 503), and
     the shedding is logged at most once per ``SHED_LOG_SECONDS``.
 
@@ -116,7 +121,7 @@ class Batcher:
         runtime: Runtime,
         settings: Settings,
         endpoint: str,
-        infer: Callable[[Runtime, np.ndarray], Awaitable[np.ndarray]],
+        infer: Callable[[Runtime, np.ndarray], Awaitable[Outputs]],
         shed: Callable[[str], Exception],
     ):
         self.runtime = batch_runtime(runtime, settings)
@@ -128,7 +133,7 @@ class Batcher:
         self._batched: Any = None
         self.shed, self._logged = 0, -float("inf")  # requests shed so far; when that was last logged
 
-    async def __call__(self, pixels: np.ndarray) -> np.ndarray:
+    async def __call__(self, pixels: np.ndarray) -> Outputs:
         return await self.start()(pixels)
 
     def start(self) -> Any:
@@ -150,10 +155,10 @@ class Batcher:
             self._batched = self.dispatcher(self._run)
         return self._batched
 
-    async def _run(self, batches: list[np.ndarray]) -> list[np.ndarray]:
+    async def _run(self, batches: list[np.ndarray]) -> list[Outputs]:
         batch_size_histogram().labels(endpoint=self.endpoint).observe(len(batches))
-        logits = await self._infer(self.runtime, np.concatenate(batches))  # (B, classes)
-        return list(np.split(logits, np.cumsum([len(b) for b in batches])[:-1]))
+        outputs = await self._infer(self.runtime, np.concatenate(batches))  # B images
+        return outputs.split([len(b) for b in batches])
 
     def _overloaded(self) -> Any:
         # BentoML's dispatcher sheds a request when its estimate of the wait (time queued + recent batch times for

@@ -219,6 +219,7 @@ def measure_speeds(
             artifact=candidate.artifact,
             threads=threads,
             max_batch_size=1,  # the session adaptive batches run on: its threads sleep between runs
+            unfamiliar=False,  # speed only
         )
         try:
             runtime, _, _ = open_model(str(folder), options, explain=False)

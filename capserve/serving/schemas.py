@@ -29,6 +29,9 @@ class ServedModel(BaseModel):
     precision: str
     precision_reason: str | None
     tag: str | None = Field(description="the BentoML model-store tag it was loaded from; null: a directory")
+    unfamiliarity: str = Field(
+        description="whether its answers carry an unfamiliarity score, and on what it was calibrated"
+    )
 
 
 class Batching(BaseModel):

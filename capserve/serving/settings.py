@@ -61,6 +61,8 @@ class Settings:
     ui: bool = True  # the web page at /ui (capserve.serving.ui); False: /ui is a 404
     # when nothing chose the runtime: serve the fastest here, measured at start-up (capserve.serving.runtimes)
     measure_runtimes: bool = True
+    # answers say how unlike the model's training images each image is (capserve.runtime.familiarity); False: null
+    unfamiliar: bool = True
     # the keys a caller may send as ``Authorization: Bearer KEY``; empty: the server is open (repr=False: never logged)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # the graph file in the model folder that onnxruntime serves (None: model.onnx); set by a tuned file only
@@ -92,6 +94,7 @@ class Settings:
             access_log=_flag(env, "CAPSERVE_ACCESS_LOG", d.access_log),
             ui=_flag(env, "CAPSERVE_UI", d.ui),
             measure_runtimes=_flag(env, "CAPSERVE_MEASURE_RUNTIMES", d.measure_runtimes),
+            unfamiliar=_flag(env, "CAPSERVE_UNFAMILIAR", d.unfamiliar),
             workers=_workers(env, d.workers),
             threads=_int(env, "CAPSERVE_THREADS", None, 1),
             api_keys=api_keys(env.get("CAPSERVE_API_KEYS", "")),

@@ -28,6 +28,7 @@ from capserve.data.preprocess import normalize
 from capserve.data.progress import progress_bar
 from capserve.data.splits import Split
 from capserve.evaluate.evaluator import predict_logits, store_thresholds
+from capserve.evaluate.familiar import calibrate_familiarity
 from capserve.evaluate.metrics import fit_thresholds
 from capserve.evaluate.plots import plot_curves
 from capserve.files import replacing_directory, write_whole
@@ -424,6 +425,9 @@ def finish(run: Run) -> dict[str, Any]:
         and summary.get("learned", True)
     ):
         summary["thresholds"] = calibrate_best(run.out / "best", data.val, cfg.eval_batch_size, device)
+    if state["best_epoch"] is not None and d.main and summary.get("learned") is not False:  # "cannot tell" too
+        train = data.train if data.train is not None else data.epoch(0, cfg.seed, device)  # generated: one epoch's
+        calibrate_familiarity(run.out / "best", train, data.val, device)
     if cfg.test and state["best_epoch"] is not None and d.main:
         test_split = run.plan.test_split if run.plan.manifest is not None else load_test(run.plan.dataset, cfg.data)
         if test_split is None or not len(test_split):

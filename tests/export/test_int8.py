@@ -34,7 +34,7 @@ from capserve.export.calibration import read_calibration
 from capserve.export.gate import INT8_MAX_ACCURACY_LOSS
 from capserve.export.gate import INT8_MIN_AGREEMENT as MIN_AGREEMENT
 from capserve.export.int8 import INT8_KEY, export_int8, read_summary
-from capserve.export.quantize import search_float_nodes, variants_for
+from capserve.export.quantize import class_capsule_nodes, search_float_nodes, variants_for
 from capserve.export.speed import MIN_SPEEDUP
 from capserve.hardware import cpu_info
 from capserve.runtime import load_runtime
@@ -118,9 +118,31 @@ def test_int8_export_agrees_with_fp32_and_keeps_the_metadata(int8_file):
     assert summary.max_accuracy_loss == INT8_MAX_ACCURACY_LOSS and summary.cpu == cpu_info().to_dict()
     assert summary.speedup == pytest.approx(summary.int8_images_per_s / summary.fp32_images_per_s)
     assert summary.variant in variants_for(cpu_info()) and summary.kept_slow == (summary.speedup < MIN_SPEEDUP)
+    # the routing's products of two activations (votes × poses) stay float: as MatMuls without a weight, or
+    # exported as Mul and ReduceSum, which are never quantized
     activation_products = [n for n in summary.float_nodes if n not in summary.kept_float]
-    assert activation_products and all("Conv" not in n for n in activation_products)  # votes × poses, not weights
+    assert all("Conv" not in n for n in activation_products)
+    assert activation_products or {"Mul", "ReduceSum"} <= ops
     assert json.loads({p.key: p.value for p in proto.metadata_props}[INT8_KEY])["agreement"] == report.check.agreement
+
+
+def test_the_int8_graph_returns_the_class_capsules_its_calibration_reads(int8_file):
+    """The read-out of the class capsules stays in float, so that no quantize-dequantize pair rounds the capsules the
+    int8 graph returns: its unfamiliarity answers as fp32's do on the real images (``capserve.runtime.familiarity``,
+    the shipped model's calibration)."""
+    from capserve.runtime.familiarity import read_familiarity
+    from capserve.runtime.metadata import CLASS_POSES
+
+    path, _ = int8_file
+    proto = onnx.load(str(path))
+    readout = class_capsule_nodes(onnx.load(str(CIFAR10 / "model.onnx")))
+    assert readout and set(readout) <= set(read_summary(path).kept_float)
+    assert not [n.name for n in proto.graph.node if n.op_type == "QuantizeLinear" and CLASS_POSES in n.input]
+    fp32, int8 = load_runtime(CIFAR10 / "model.onnx"), load_runtime(path)
+    familiarity = read_familiarity(CIFAR10)
+    x = normalize_images(real_images.cifar10()[0], fp32.metadata)
+    a, b = (familiarity.scores(runtime.infer(x)[1]) for runtime in (fp32, int8))
+    assert np.median(np.abs(a - b) / a) < 0.1 and np.mean((a > 1) == (b > 1)) >= 0.9  # 32 calibration images
 
 
 def test_the_gate_refuses_a_quantization_calibrated_on_blank_images(tmp_path, config, capsys):

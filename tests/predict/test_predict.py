@@ -120,7 +120,12 @@ def test_bad_files_are_rows_and_the_exit_status_counts_them(folder, tmp_path, ca
     broken = next(r for r in table if r["path"].endswith("broken.png"))
     assert broken["error"].startswith("the image: ") and not broken["answer"]
     good = next(r for r in table if r["path"].endswith("photo.jpg"))
-    assert json.loads(good["answer"])["predictions"][0]["label"] == good["label"]
+    answer = json.loads(good["answer"])
+    assert answer["predictions"][0]["label"] == good["label"]
+    # the shipped model's calibration: each row says how unfamiliar its image is, as the server's answer does
+    assert float(good["unfamiliarity"]) == pytest.approx(answer["unfamiliarity"], rel=1e-5)
+    assert good["unfamiliar"] == ("true" if answer["unfamiliar"] else "false")
+    assert broken["unfamiliarity"] == broken["unfamiliar"] == ""
     assert "8 images, 1 failed" in capsys.readouterr().err
     # one bad file in eight is more than a 10 % allowance; a run of bad files alone answers nothing
     assert main(["predict", CIFAR10, str(folder), "--out", str(tmp_path / "x.csv"), "--max-failures", "0.1"]) == 1

@@ -235,7 +235,8 @@ def test_build_engine_validates_before_tensorrt(tmp_path, onnx_file):
     with pytest.raises(ExportError, match="capserve export onnx"):
         build_engine(tmp_path / "bare.onnx", tmp_path / "m.plan")
     source = read_onnx(onnx_file, fp16=True)
-    assert source.precision == "fp16" and source.input_shape == (3, 32, 32) and source.outputs == ("logits",)
+    assert source.precision == "fp16" and source.input_shape == (3, 32, 32)
+    assert source.outputs == ("logits", "class_poses")  # the class capsules travel into the engine
 
 
 # --- the builder's and runtime's TensorRT calls, against a stand-in module ------------------------------------

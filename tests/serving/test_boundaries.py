@@ -185,6 +185,16 @@ def test_the_document_says_which_part_types_are_taken(service):
     assert "application/octet-stream" in reason and "without a Content-Type" in reason
 
 
+def test_the_document_names_the_unfamiliarity_of_every_answer(service):
+    """The fields every answer carries (docs/unfamiliar.md) are in the OpenAPI document, described, and optional:
+    clients generated from it keep working against a model without a calibration."""
+    schemas = service.get("/docs.json").json()["components"]["schemas"]
+    for name in ("Classification", "MultiLabel", "Explained"):
+        properties, required = schemas[name]["properties"], schemas[name].get("required", [])
+        assert "unlike the images the model learned" in properties["unfamiliarity"]["description"], name
+        assert "unfamiliar" in properties and not {"unfamiliarity", "unfamiliar"} & set(required), name
+
+
 # ------------------------------------------------------------------------------------------ 501
 
 

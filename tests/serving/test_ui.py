@@ -15,7 +15,7 @@ import pytest
 from support.browser import chromium
 from support.inprocess import in_process_service
 from support.real_images import cifar10, png
-from support.server import ROOT, start_server, stop, wait_ready
+from support.server import ROOT, random_png, start_server, stop, wait_ready
 
 KEY = "page-test-key-0123"
 
@@ -139,7 +139,8 @@ def test_the_page_labels_a_real_cifar10_image(page, browser, tmp_path):
     wait_for(browser, lambda: browser.execute_script("return document.getElementById('occlusion-map').naturalWidth"))
     assert browser.execute_script("return document.getElementById('routing-map').naturalWidth") == 256
     assert "selectivity" in text(browser, "routing-caption") and "dog" in text(browser, "occlusion-caption")
-    assert not shown(browser, "error")
+    assert not shown(browser, "error") and not shown(browser, "unfamiliar")  # a photograph like those it learned
+    assert "unfamiliarity 0." in text(browser, "answer-model")
     shot = tmp_path / "ui.png"
     browser.save_screenshot(str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -185,3 +186,31 @@ def test_an_error_shows_the_servers_message(page, browser, tmp_path):
     wait_for(browser, lambda: shown(browser, "error"))
     assert expected.json()["error"] in text(browser, "error")
     assert text(browser, "answer") == ""
+
+
+@pytest.mark.slow
+def test_the_page_says_plainly_when_an_image_is_unlike_anything_the_model_learned(page, browser, tmp_path):
+    """Noise is unlike the photographs the shipped model learned from: above its answer, in a box of its own, the
+    page says so (the server's ``unfamiliar``); a photograph after it clears the box."""
+    noise = tmp_path / "noise.png"
+    noise.write_bytes(random_png(0))
+    answer = httpx.post(
+        page.removesuffix("/ui") + "/classify",
+        files={"image": ("noise.png", noise.read_bytes(), "image/png")},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    ).json()
+    assert answer["unfamiliar"] is True
+    open_with_key(browser, page)
+    wait_for(browser, lambda: not shown(browser, "key-panel"))
+    upload(browser, noise)
+    wait_for(browser, lambda: shown(browser, "unfamiliar"))
+    banner = text(browser, "unfamiliar")
+    assert "unlike anything cifar10-resnet learned from" in banner and f"{answer['unfamiliarity']:.1f}" in banner
+    assert browser.find_element("id", "unfamiliar").get_attribute("role") == "alert"
+    images, _ = cifar10()
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(png(images[63]))
+    upload(browser, photo)
+    wait_for(browser, lambda: text(browser, "answer") == "dog")
+    assert not shown(browser, "unfamiliar")

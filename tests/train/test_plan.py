@@ -77,11 +77,17 @@ def built_configs(monkeypatch) -> list:
 def test_the_model_is_built_once_with_its_mean_std_and_class_transforms_already_chosen(marks, tmp_path, monkeypatch):
     """A new run on a user's images chooses its class capsule transforms and its mean/std from the images; the one
     model it builds already has both, and is the model its checkpoints hold."""
+    import capserve.train.loop as loop
+
     built = built_configs(monkeypatch)
+    calibrated = []  # how many models were built when the run, trained, calibrates its best/ (which it loads)
+    real = loop.calibrate_familiarity
+    monkeypatch.setattr(loop, "calibrate_familiarity", lambda *a: calibrated.append(len(built)) or real(*a))
     out = tmp_path / "run"
     train(own_config(marks, out))
-    assert len(built) == 1, [c.class_weights for c in built]
+    assert calibrated == [1], [c.class_weights for c in built]  # one model trained, built once
     saved = capserve.read_config(out / "best")
+    assert built[1:] == [saved]  # then best/ read back as saved, to calibrate its unfamiliarity
     measured = data_mean_std(load_file(str(out / CACHE_FILE))["train.images"])
     assert (built[0].mean, built[0].std) == (saved.mean, saved.std) == (measured["mean"], measured["std"])
     recorded = json.loads((out / "train_config.json").read_text())

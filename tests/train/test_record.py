@@ -113,3 +113,15 @@ def test_a_resumed_run_decides_nothing_and_reads_its_choices_from_its_record(mar
     assert set(plan.reasons) >= set(recorded["reasons"]) and set(plan.reasons.values()) == {RESUMED}
     assert "input: 3×32×32 (as the run resumed recorded it)" in caplog.text
     assert plan.cfg.overrides == recorded["overrides"] and plan.cfg.augment == recorded["augment"]
+
+
+def test_a_run_calibrates_what_its_model_calls_familiar(marks, tmp_path):
+    """A run on a user's images writes its ``best/``'s unfamiliarity calibration without a flag: fitted on its
+    training images, its threshold set on the validation images it carved."""
+    from capserve.runtime.familiarity import FAMILIARITY_FILE, read_familiarity
+
+    out = tmp_path / "run"
+    train(own_config(marks, out, max_steps=2))
+    familiarity = read_familiarity(out / "best")
+    assert familiarity is not None and (out / "best" / FAMILIARITY_FILE).is_file()
+    assert familiarity.fitted["train_images"] == 27 and familiarity.fitted["validation_images"] == 3  # 30 marks
