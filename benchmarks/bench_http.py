@@ -11,23 +11,25 @@ machine's cores with the server: on a small machine its own CPU time is part of 
     python benchmarks/bench_http.py --model models/cifar10 --requests 500 --rss-requests 10000
     python benchmarks/bench_http.py --configs onnxruntime:fp32 torch:bf16 torch:fp32 --batching on --rss-requests 0
 
-First, the comparison with the alternatives a user could write, with ``wrk`` as the load generator (C, one thread:
-it takes little of the server's CPU) POSTing one 32×32 PNG as multipart (``benchmarks/multipart.lua``) to one server
-at a time (the others paused with SIGSTOP), servers interleaved over ``--table-rounds`` rounds, medians printed: raw
-ONNX Runtime at batch 32 in-process, then requests/s and p50 at each ``--table-concurrency`` (1, 32, 128; req/s at
-32 also ÷ raw) and the server's CPU time per request at the largest (and its event loops' share; raw's CPU per
-image beside it), and for servers with several workers how the connections at c=32 fell to them, for plain
-FastAPI + ONNX Runtime servers (one image per run, ``benchmarks/peers/fastapi_server.py``: ``/classify``, and
-``/multilabel`` on the multi-label model;
-once with ONNX Runtime's default session options, once with those a careful user sets, ``intra_op_num_threads`` =
-the cores and ``inter_op_num_threads`` = 1), LitServe with dynamic batching (max 32, 5 ms,
-``benchmarks/peers/litserve_server.py``), and capserve's ``/classify`` and ``/multilabel`` with each
+First, the comparison with the alternatives a user could write, at each ``--table-configs`` precision (ONNX Runtime
+fp32; torch bf16 too on a CPU with native bf16), with ``wrk`` as the load generator (C, one thread: it takes little
+of the server's CPU; where wrk is not installed, capserve's Python load generator, named in the table's heading)
+POSTing one 32×32 PNG as multipart (``benchmarks/multipart.lua``) to one server at a time (the others paused with
+SIGSTOP), servers interleaved over ``--table-rounds`` rounds, medians printed: the raw runtime at batch 32
+in-process, then requests/s and p50 at each ``--table-concurrency`` (1, 32, 128; req/s at 32 also ÷ raw) and the
+server's CPU time per request at the largest (and its event loops' share; raw's CPU per image beside it), and for
+servers with several workers how the connections at c=32 fell to them, for plain FastAPI servers (one image per
+run, ``benchmarks/peers/fastapi_server.py``: ``/classify``, and ``/multilabel`` on the multi-label model; ONNX
+Runtime once with its default session options, once with those a careful user sets, ``intra_op_num_threads`` = the
+cores and ``inter_op_num_threads`` = 1; torch under ``inference_mode`` and autocast), LitServe with dynamic batching
+(max 32, 5 ms, ``benchmarks/peers/litserve_server.py``), and capserve's ``/classify`` and ``/multilabel`` with each
 ``--table-workers`` count (CAPSERVE_WORKERS; 1 and 2) (each ``/multilabel`` against the multi-label model's raw
 figure). The peers are benchmark tools, not capserve dependencies. Set-up, once::
 
     apt-get install -y wrk                                  # or build it from https://github.com/wg/wrk
     .venv/bin/pip install fastapi uvicorn litserve           # the peers (a missing one is skipped with a note)
     python benchmarks/bench_http.py --table-only             # the table alone (about 10 minutes with 3 rounds)
+    python benchmarks/bench_http.py --table-only --table-configs torch:bf16 --table-workers 1
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 from capserve.data.preprocess import normalize_images  # noqa: E402
 from capserve.hardware import cpu_info  # noqa: E402
 from capserve.runtime import Runtime, load_runtime  # noqa: E402
+from capserve.runtime.precision import native_bf16  # noqa: E402
 from capserve.serving.loadtest import load  # noqa: E402
 
 
@@ -336,26 +339,56 @@ def run_wrk(url: str, png: Path, concurrency: int, seconds: int) -> dict[str, fl
     return json.loads(line.removeprefix("WRK_JSON "))
 
 
-class RawMeter:
-    """Raw ONNX Runtime throughput at batch 32, in-process, in a worker thread (as the server runs inference):
-    measured right before each server's turn, so that each ratio compares figures taken under the same background
-    load."""
+def run_python(url: str, png: Path, concurrency: int, seconds: int) -> dict[str, float]:
+    """``run_wrk``'s summary from capserve's Python load generator (``capserve.serving.loadtest``), for machines
+    without wrk: the same multipart POSTs, but the generator takes more of the server's CPU than wrk does."""
+    parsed = urllib.parse.urlsplit(url)
+    took, latencies, errors = asyncio.run(
+        load(
+            f"{parsed.scheme}://{parsed.netloc}",
+            [png.read_bytes()],
+            10**9,
+            concurrency,
+            parsed.path,
+            seconds=seconds,
+            field="image",
+        )
+    )
+    codes = {code: n for code, n in errors.items() if code.isdigit()}
+    return {
+        "requests": len(latencies),
+        "seconds": took,
+        "p50_ms": float(np.percentile(latencies, 50)) if len(latencies) else float("nan"),
+        "connect": sum(n for code, n in errors.items() if not code.isdigit()),
+        "read": 0,
+        "write": 0,
+        "timeout": 0,
+        "codes": codes,
+    }
 
-    def __init__(self, models: dict[str, Path]):
+
+class RawMeter:
+    """Raw throughput at batch 32 of each (model, "backend:precision") in-process, in a worker thread (as the server
+    runs inference): measured right before each server's turn, so that each ratio compares figures taken under the
+    same background load."""
+
+    def __init__(self, models: dict[str, Path], configs: list[str]):
         self.pool = ThreadPoolExecutor(1)
         self.cpu_ms: list[float] = []  # this process's CPU ms per image of each measurement, in order
-        self.runtimes = {key: open_runtime(path, "onnxruntime:fp32") for key, path in models.items()}
+        self.runtimes = {
+            (key, config): open_runtime(path, config) for key, path in models.items() for config in configs
+        }
         self.inputs = {}
         for key, runtime in self.runtimes.items():
             pixels = np.random.default_rng(0).integers(0, 256, (32, *runtime.metadata.input_shape), np.uint8)
             self.inputs[key] = normalize_images(pixels, runtime.metadata)  # (32, C, H, W)
             runtime.predict(self.inputs[key])  # warm-up
 
-    def __call__(self, key: str, seconds: float) -> float:
-        """Images per second: the median batch of those run in ``seconds`` (at least 3)."""
+    def __call__(self, key: tuple[str, str], seconds: float) -> float:
+        """Images per second of (model, config): the median batch of those run in ``seconds`` (at least 3)."""
         return self.pool.submit(self._measure, key, seconds).result()
 
-    def _measure(self, key: str, seconds: float) -> float:
+    def _measure(self, key: tuple[str, str], seconds: float) -> float:
         runtime, x = self.runtimes[key], self.inputs[key]
         times: list[float] = []
         deadline = time.perf_counter() + seconds
@@ -377,63 +410,82 @@ def peer_table(
     concurrency: list[int],
     workers: list[int],
     peers: bool = True,
+    configs: tuple[str, ...] = ("onnxruntime:fp32",),
 ) -> None:
-    """The peers table (docs/benchmarks/serving.md, "HTTP: capserve against the alternatives"), with capserve at each of
+    """The peers table (docs/benchmarks/serving.md, "HTTP: capserve against the alternatives"), for each of
+    ``configs`` ("backend:precision": the peers and capserve at the same precision), with capserve at each of
     ``workers`` (CAPSERVE_WORKERS): raw batch-32 throughput, then each server's req/s and p50 at each of
-    ``concurrency`` (req/s at 32 also ÷ the raw figure measured just before), errors and server CPU ms per request at
-    the largest concurrency (medians over interleaved rounds)."""
-    if shutil.which("wrk") is None:
-        raise SystemExit("wrk not found: `apt-get install -y wrk` (see this script's docstring), or --no-table")
+    ``concurrency`` (req/s at 32 also ÷ the raw figure of its configuration measured just before), errors and server
+    CPU ms per request at the largest concurrency (medians over interleaved rounds). The load generator is wrk,
+    or capserve's Python one where wrk is not installed (said in the table's heading)."""
+    generator = run_wrk if shutil.which("wrk") else run_python
     meta = load_runtime(model / "model.onnx").metadata
     png = tmp / "image.png"
     png.write_bytes(pngs(1, meta.image_size)[0])
     ml_png = tmp / "multilabel.png"
     if multilabel:
         ml_png.write_bytes(pngs(1, load_runtime(multilabel / "model.onnx").metadata.image_size)[0])
-    raw = RawMeter({"single": model, **({"multi": multilabel} if multilabel else {})})
+    raw = RawMeter({"single": model, **({"multi": multilabel} if multilabel else {})}, list(configs))
 
-    onnx = str(model / "model.onnx")
     python, uvicorn = sys.executable, str(Path(sys.executable).with_name("uvicorn"))
     fastapi = [uvicorn, "benchmarks.peers.fastapi_server:app", "--log-level", "warning", "--port"]
-    fastapi_env = {
-        "PEER_MODEL": onnx,
-        **({"PEER_MULTILABEL_MODEL": str(multilabel / "model.onnx")} if multilabel else {}),
-    }
-    servers: dict[str, tuple[Any, str, Path, str]] = {}  # row → (server, url path, upload, raw model key)
+    servers: dict[str, tuple[Any, str, Path, tuple[str, str]]] = {}  # row → (server, url path, upload, raw key)
     started: list[Any] = []
     figures: dict[str, dict[str, list[float]]] = {}
     busiest = max(concurrency)
     split_at = 32 if 32 in concurrency else busiest  # the concurrency whose connections per worker are printed
     try:
-        for name, module, command, env in (
-            [
-                ("FastAPI + ORT defaults", "fastapi", fastapi, fastapi_env),
-                ("FastAPI + ORT intra=cores inter=1", "fastapi", fastapi, {**fastapi_env, "PEER_CAREFUL": "1"}),
-                ("LitServe, batching 32 / 5 ms", "litserve", [python, str(PEERS / "litserve_server.py"), onnx], {}),
-            ]
-            if peers
-            else []
-        ):
-            try:
-                __import__(module)
-                peer = PeerServer(name, [*command, str(free_port())], tmp, png, env)
-            except (ImportError, RuntimeError) as e:
-                print(
-                    f"{name}: skipped ({type(e).__name__}: {str(e)[-300:]}); `pip install fastapi uvicorn "
-                    "litserve` into this venv",
-                    flush=True,
+        for config in configs:
+            backend, precision = config.split(":")
+            label = "ORT" if backend == "onnxruntime" else f"torch {precision}"
+            graph = backend == "onnxruntime"  # ONNX Runtime serves the graphs, torch the model folders
+
+            def served(folder: Path, graph: bool = graph) -> str:
+                return str(folder / "model.onnx" if graph else folder)
+
+            fastapi_env = {
+                "PEER_BACKEND": backend,
+                "PEER_PRECISION": precision,
+                "PEER_MODEL": served(model),
+                **({"PEER_MULTILABEL_MODEL": served(multilabel)} if multilabel else {}),
+            }
+            candidates = [(f"FastAPI + {label}{' defaults' * graph}", "fastapi", fastapi, fastapi_env)]
+            if graph:
+                careful = {**fastapi_env, "PEER_CAREFUL": "1"}
+                candidates.append((f"FastAPI + {label} intra=cores inter=1", "fastapi", fastapi, careful))
+            litserve = [python, str(PEERS / "litserve_server.py"), served(model)]
+            peer_env = {"PEER_BACKEND": backend, "PEER_PRECISION": precision}
+            candidates.append((f"LitServe + {label}, batching 32 / 5 ms", "litserve", litserve, peer_env))
+            for name, module, command, env in candidates if peers else []:
+                try:
+                    __import__(module)
+                    peer = PeerServer(name, [*command, str(free_port())], tmp, png, env)
+                except (ImportError, RuntimeError) as e:
+                    print(
+                        f"{name}: skipped ({type(e).__name__}: {str(e)[-300:]}); `pip install fastapi uvicorn "
+                        "litserve` into this venv",
+                        flush=True,
+                    )
+                    continue
+                started.append(peer)
+                servers[f"{name} /classify"] = (peer, "/classify", png, ("single", config))
+                if module == "fastapi" and multilabel:
+                    servers[f"{name} /multilabel"] = (peer, "/multilabel", ml_png, ("multi", config))
+            for n in workers:
+                capserve = Server(
+                    model,
+                    multilabel,
+                    tmp,
+                    CAPSERVE_MAX_BATCH_SIZE="32",
+                    CAPSERVE_WORKERS=str(n),
+                    CAPSERVE_BACKEND=backend,
+                    CAPSERVE_PRECISION=precision,
                 )
-                continue
-            started.append(peer)
-            servers[f"{name} /classify"] = (peer, "/classify", png, "single")
-            if module == "fastapi" and multilabel:
-                servers[f"{name} /multilabel"] = (peer, "/multilabel", ml_png, "multi")
-        for n in workers:
-            capserve = Server(model, multilabel, tmp, CAPSERVE_MAX_BATCH_SIZE="32", CAPSERVE_WORKERS=str(n))
-            started.append(capserve)
-            servers[f"capserve {n} worker{'s' * (n > 1)} /classify"] = (capserve, "/classify", png, "single")
-            if multilabel:
-                servers[f"capserve {n} worker{'s' * (n > 1)} /multilabel"] = (capserve, "/multilabel", ml_png, "multi")
+                started.append(capserve)
+                row = f"capserve {label}, {n} worker{'s' * (n > 1)}"
+                servers[f"{row} /classify"] = (capserve, "/classify", png, ("single", config))
+                if multilabel:
+                    servers[f"{row} /multilabel"] = (capserve, "/multilabel", ml_png, ("multi", config))
         for server in started:
             pause(server.proc.pid, True)
 
@@ -447,13 +499,13 @@ def peer_table(
                 f["raw_cpu"].append(raw.cpu_ms[-1])
                 pause(server.proc.pid, False)
                 try:
-                    run_wrk(server.url + path, upload, 8, 1)  # warm-up
+                    generator(server.url + path, upload, 8, 1)  # warm-up
                     errors: dict[str, int] = {}
                     for c in concurrency:
                         cpu, loop = cpu_seconds(server.proc.pid), loop_seconds(server.proc.pid)
                         with ThreadPoolExecutor(1) as pool:  # which worker holds the connections, mid-run
                             split = pool.submit(connections_per_worker, server, min(1.0, seconds / 2))
-                            result = run_wrk(server.url + path, upload, c, seconds)
+                            result = generator(server.url + path, upload, c, seconds)
                         cpu = cpu_seconds(server.proc.pid) - cpu
                         loop = loop_seconds(server.proc.pid) - loop
                         f[f"rps@{c}"].append(result["requests"] / result["seconds"])
@@ -477,17 +529,17 @@ def peer_table(
             server.stop()
 
     print(
-        f"\npeers table: wrk, one 32×32 PNG as multipart, one server at a time, medians of {rounds} "
+        f"\npeers table: {'wrk' if generator is run_wrk else 'Python load generator (no wrk here)'}, one 32×32 PNG as "
+        f"multipart, one server at a time, medians of {rounds} "
         f"interleaved rounds of {seconds:g} s per concurrency ({os.cpu_count()} CPUs); ÷ raw: req/s at c=32 against "
         f"raw batch 32 measured just before each turn; CPU: the server's CPU ms per request at c={busiest}, loop: its "
         "event loops' share of it (the processes' main threads)"
     )
     heads = "".join(f"{f'c={c} req/s':>12s}{'p50 ms':>8s}" for c in concurrency)
     print(f"  {'server':46s}{heads}{'÷ raw':>7s}{'errors':>7s}{'CPU ms':>7s}{'loop ms':>8s}")
-    for key, label in (
-        ("single", "raw ONNX Runtime, batch 32, in-process"),
-        ("multi", "raw ONNX Runtime, multi-label model, batch 32"),
-    ):
+    raw_rows = [(("single", c), f"raw {c}, batch 32, in-process") for c in configs]
+    raw_rows += [(("multi", c), f"raw {c}, multi-label model, batch 32") for c in configs]
+    for key, label in raw_rows:
         measured = [r for name, f in figures.items() if servers[name][3] == key for r in f["raw"]]
         if measured:
             cpu_ms = [r for name, f in figures.items() if servers[name][3] == key for r in f["raw_cpu"]]
@@ -559,15 +611,22 @@ def main() -> None:
         help="capserve servers in the table, one per CAPSERVE_WORKERS value (default %(default)s)",
     )
     p.add_argument("--no-peers", action="store_true", help="the table without its peers: capserve servers only")
+    p.add_argument(
+        "--table-configs",
+        nargs="+",
+        default=["onnxruntime:fp32", "torch:bf16"] if native_bf16().native else ["onnxruntime:fp32"],
+        help="backend:precision pairs of the table: the peers and capserve at each (default: ONNX Runtime fp32, and "
+        "torch bf16 on a CPU with native bf16: %(default)s)",
+    )
     args = p.parse_args()
-    for config in args.configs:
+    for config in [*args.configs, *args.table_configs]:
         backend, _, precision = config.partition(":")
         if (
             backend not in ("onnxruntime", "torch")
             or precision not in ("fp32", "bf16")
             or (backend == "onnxruntime" and precision != "fp32")
         ):
-            p.error(f"--configs {config}: use onnxruntime:fp32, torch:fp32 or torch:bf16")
+            p.error(f"{config}: use onnxruntime:fp32, torch:fp32 or torch:bf16")
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -586,6 +645,7 @@ def main() -> None:
                 args.table_concurrency,
                 args.table_workers,
                 peers=not args.no_peers,
+                configs=tuple(args.table_configs),
             )
             if args.table_only:
                 return

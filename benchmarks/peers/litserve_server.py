@@ -1,11 +1,16 @@
-"""Benchmark peer, not part of capserve: LitServe with dynamic batching (max 32 images, 5 ms), the same graph with
-ONNX Runtime's default session options, capserve's preprocessing and the same response JSON as ``/classify``.
-No ``from __future__ import annotations`` here: LitServe reads
-``decode_request``'s annotation as a class to hand it the parsed form. Started by ``benchmarks/bench_http.py``::
+"""Benchmark peer, not part of capserve: LitServe with dynamic batching (max 32 images, 5 ms), capserve's
+preprocessing and the same response JSON as ``/classify``, in LitServe's inference process: the graph on ONNX Runtime
+with its default session options (``PEER_BACKEND=onnxruntime``, the default), or the model folder in eager PyTorch
+(``PEER_BACKEND=torch``; ``PEER_PRECISION=bf16``: under bf16 autocast). No ``from __future__ import annotations``
+here: LitServe reads ``decode_request``'s annotation as a class to hand it the parsed form. Started by
+``benchmarks/bench_http.py``::
 
     python benchmarks/peers/litserve_server.py models/cifar10/model.onnx 8002
+    PEER_BACKEND=torch PEER_PRECISION=bf16 python benchmarks/peers/litserve_server.py models/cifar10 8002
 """
 
+import contextlib
+import os
 import sys
 
 import litserve as ls
@@ -18,16 +23,32 @@ from capserve.runtime import load_runtime
 
 
 class Classify(ls.LitAPI):
-    def __init__(self, model: str):
+    def __init__(self, model: str, backend: str, precision: str):
         super().__init__(max_batch_size=32, batch_timeout=0.005, api_path="/classify")
-        self.model = model
+        self.model, self.backend, self.precision = model, backend, precision
 
     def setup(self, device: str) -> None:
+        self.meta = load_runtime(self.model, self.backend).metadata
+        if self.backend == "torch":
+            import torch
+
+            import capserve
+
+            model = capserve.load(self.model)
+            bf16 = self.precision == "bf16"
+
+            def logits(x: np.ndarray) -> np.ndarray:
+                autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+                with torch.inference_mode(), autocast:
+                    return model(torch.from_numpy(x)).float().numpy()
+
+            self.logits = logits
+            return
         import onnxruntime as ort
 
-        self.meta = load_runtime(self.model).metadata
-        self.session = ort.InferenceSession(self.model, providers=["CPUExecutionProvider"])
-        self.input = self.session.get_inputs()[0].name
+        session = ort.InferenceSession(self.model, providers=["CPUExecutionProvider"])
+        name = session.get_inputs()[0].name
+        self.logits = lambda x: session.run(["logits"], {name: x})[0]
 
     def decode_request(self, request: Request) -> np.ndarray:
         return load_image(request["image"].file.read(), self.meta)  # (C, H, W) uint8
@@ -36,7 +57,7 @@ class Classify(ls.LitAPI):
         return np.stack(inputs)  # (B, C, H, W)
 
     def predict(self, pixels: np.ndarray) -> np.ndarray:
-        logits = self.session.run(["logits"], {self.input: normalize_images(pixels, self.meta)})[0]  # (B, C)
+        logits = self.logits(normalize_images(pixels, self.meta))  # (B, C)
         e = np.exp(logits - logits.max(axis=-1, keepdims=True))
         return e / e.sum(axis=-1, keepdims=True)
 
@@ -55,5 +76,6 @@ class Classify(ls.LitAPI):
 
 
 if __name__ == "__main__":
-    server = ls.LitServer(Classify(sys.argv[1]), accelerator="cpu", workers_per_device=1, timeout=60)
+    api = Classify(sys.argv[1], os.environ.get("PEER_BACKEND", "onnxruntime"), os.environ.get("PEER_PRECISION", "fp32"))
+    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60)
     server.run(host="127.0.0.1", port=int(sys.argv[2]), log_level="warning", generate_client_file=False)

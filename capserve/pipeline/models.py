@@ -145,6 +145,8 @@ def _open(spec: str, settings: ModelOptions, explain: bool) -> tuple[Runtime, Ru
             runtime, _ = open_torch(
                 path, settings.device, settings.iterations, settings.precision, settings.bf16_min_agreement
             )
+            if settings.threads and settings.device == "cpu":
+                runtime = runtime.with_threads(settings.threads)  # type: ignore[attr-defined]  # in every thread
             return runtime, runtime if explain and has_routing(runtime) else None, source
         # a tuned file may choose another graph in the folder for onnxruntime (an INT8 one, capserve.serving.tuned)
         named = settings.artifact if settings.backend == "onnxruntime" else None

@@ -41,7 +41,7 @@ FUSED_MAX_ROW = 8
 FUSED_BLOCK_BYTES = 2**20
 
 
-_FUSED_KERNELS: dict[tuple, Callable[..., Tensor]] = {}  # (block shapes, dtype) → fused_block compiled for them
+_FUSED_KERNELS: dict[tuple, Callable[..., Tensor]] = {}  # (block shapes, dtype, threads) → fused_block compiled
 
 
 _FUSED_STATE = {"failed": False}
@@ -89,7 +89,9 @@ def _fused(u: Tensor, w: Tensor, q: Tensor) -> Tensor | None:
     """``fused_block(u, w, q)`` compiled for these shapes (the first call of a shape compiles it, one thread at a
     time); None when compiling fails, with a warning the first time: the steps then run eagerly, as everywhere
     ``torch.compile`` cannot build."""
-    key = (tuple(u.shape), tuple(w.shape), u.dtype)
+    # inductor's loops run on the intra-op threads of the thread that compiles them: a kernel per thread count, for
+    # a server whose batches run on fewer threads than its lone requests (TorchRuntime.with_threads)
+    key = (tuple(u.shape), tuple(w.shape), u.dtype, torch.get_num_threads())
     kernel = _FUSED_KERNELS.get(key)
     if kernel is not None:
         return kernel(u, w, q)

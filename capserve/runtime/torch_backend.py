@@ -29,15 +29,25 @@ class TorchRuntime(Runtime):
         iterations: routing iterations T (default: the config's; a CNN without routing takes none).
         precision: "fp32", or "bf16"/"fp16" autocast (bf16 pays only on a CPU with native bf16 arithmetic;
             docs/export.md).
+        threads: on a CPU, the intra-op threads each call runs on, in whichever thread calls it (``with_threads``);
+            None: the process's setting (``torch.set_num_threads``).
     """
 
     backend = "torch"
 
-    def __init__(self, path: str | Path, device: str = "cpu", iterations: int | None = None, precision: str = "fp32"):
+    def __init__(
+        self,
+        path: str | Path,
+        device: str = "cpu",
+        iterations: int | None = None,
+        precision: str = "fp32",
+        threads: int | None = None,
+    ):
         if precision not in AUTOCAST:
             raise ValueError(f"precision must be one of {', '.join(AUTOCAST)}, got {precision!r}")
         self.precision = precision
         self.autocast = AUTOCAST[precision]
+        self.threads = threads
         try:
             self.device = torch.device(device)
         except RuntimeError as e:
@@ -74,7 +84,20 @@ class TorchRuntime(Runtime):
         other.precision, other.autocast = precision, AUTOCAST[precision]
         return other
 
-    def _autocast(self) -> torch.autocast | nullcontext:
+    def with_threads(self, threads: int) -> TorchRuntime:
+        """The same loaded model (weights shared) whose calls run on ``threads`` intra-op threads, whichever thread
+        makes them: e.g. two batches at once, one thread each, beside lone requests on every core.
+
+        Torch keeps the intra-op thread count per calling thread (OpenMP's is a thread's own setting), so each call
+        sets its caller's count before it runs: a server's worker threads take batches and lone requests alike."""
+        other = copy.copy(self)
+        other.threads = threads
+        return other
+
+    def _running(self) -> torch.autocast | nullcontext:
+        """What one call runs under: the calling thread's intra-op threads set (``with_threads``), and autocast."""
+        if self.threads and self.device.type == "cpu" and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         if self.autocast is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
@@ -82,7 +105,7 @@ class TorchRuntime(Runtime):
     @torch.inference_mode()
     def _predict(self, batch: np.ndarray) -> np.ndarray:
         x = torch.from_numpy(batch).to(self.device)
-        with self._autocast():
+        with self._running():
             return self.model(x, iterations=self.iterations).float().cpu().numpy()
 
     @torch.inference_mode()
@@ -90,7 +113,7 @@ class TorchRuntime(Runtime):
         if not self.model.config.has_routing:
             return self.predict(batch), None
         x = torch.from_numpy(self.check_batch(batch)).to(self.device)
-        with self._autocast():
+        with self._running():
             poses, _ = self.model.route(x, self.iterations, keep_coefficients=False)
             logits = self.model.logits_from(poses[-1])  # (B, C)
         return logits.float().cpu().numpy(), poses[-1].float().cpu().numpy()  # (B, C), (B, C, D)
@@ -100,7 +123,7 @@ class TorchRuntime(Runtime):
         if not self.model.config.has_routing:
             raise NotImplementedError(f"{self.metadata.name} is a CNN without routing: there is no routing to trace")
         x = torch.from_numpy(self.check_batch(batch)).to(self.device)
-        with self._autocast():
+        with self._running():
             return self.model.trace(x, iterations=self.iterations)
 
     def explain(self, batch: np.ndarray) -> Explanation:

@@ -183,12 +183,15 @@ class Capsules:
                     )
                 if runtime is self.explainer:
                     runtime.explain(zeros)
-            for runtime in (batcher.runtime for batcher in self.batchers.values()):
-                if runtime.backend == "torch" and self.settings.device == "cpu":
-                    # a full batch, so that big routing steps compile their fused kernel (capserve.routing; once per
-                    # shape) during start-up rather than in the first busy moment's requests
-                    full = np.zeros((self.settings.max_batch_size, *runtime.metadata.input_shape), np.uint8)
-                    runtime.predict(normalize_images(full, runtime.metadata))
+            for multilabel, batcher in self.batchers.items():
+                # a full batch on the batches' threads and on the lone requests' (/classify_batch), so that big routing
+                # steps compile their fused kernel (capserve.routing; once per shape and thread count) during
+                # start-up rather than in the first busy moment's requests
+                lone = self.multilabel_runtime if multilabel else self.runtime
+                for runtime in dict.fromkeys((batcher.runtime, lone)):  # each once
+                    if runtime.backend == "torch" and self.settings.device == "cpu":
+                        full = np.zeros((self.settings.max_batch_size, *runtime.metadata.input_shape), np.uint8)
+                        runtime.predict(normalize_images(full, runtime.metadata))
         except (InputError, NotImplementedError, RuntimeError, AssertionError) as e:
             raise ConfigurationError(f"warm-up inference failed: {e}") from e
         self.ready = True

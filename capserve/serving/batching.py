@@ -1,10 +1,10 @@
-"""Adaptive batching of single-image requests: the ONNX Runtime session the batches run on, BentoML's batching
-engine around it (``Batcher``), lone-request options and the batch-size metric.
+"""Adaptive batching of single-image requests: the runtime the batches run on (the cores split between them), BentoML's
+batching engine around it (``Batcher``), lone-request options and the batch-size metric.
 
 The engine is BentoML's own (``CorkDispatcher``). What BentoML 1.4.40 cannot do around it: a batchable API takes
 pixel tensors, not uploads, and its in-process client to one loses responses under concurrency (``Batcher``); its
 batch-time fit is tilted by one slow batch (``refit_batch_times``); and a batch runs on whatever the API runs,
-never a session of its own with the cores split (``batch_runtime``)."""
+never a runtime of its own with the cores split (``batch_runtime``)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ INLINE_DECODE_BYTES = 64 * 1024
 INLINE_DECODE_PIXELS = 64 * 64
 
 
-BATCHES_IN_FLIGHT = 2  # adaptive batches run at once on a separate ONNX Runtime CPU session (batch_runtime)
+BATCHES_IN_FLIGHT = 2  # adaptive batches run at once on a CPU, on the worker's cores split between them (batch_runtime)
 
 
 SHED_LOG_SECONDS = 10.0  # at most one log line per endpoint this often about requests shed with a 503
@@ -62,16 +62,19 @@ def batches_for(threads: int) -> int:
 
 
 def batch_runtime(runtime: Runtime, settings: Settings) -> Runtime:
-    """The runtime adaptive batches run on: for ONNX Runtime on a CPU, a second session of the same graph with the
-    worker's cores (``settings.threads``, capserve.serving.workers) split between the batches in flight
-    (``batches_for``; on 2 cores: one intra-op thread each), so that the next batch starts while one runs and no
-    run waits on a peer thread descheduled by another, which costs less CPU per request than one batch at a time
-    on all the cores (docs/benchmarks/serving.md). Lone requests keep ``runtime`` and all the worker's cores (the lowest
-    latency). Other backends: itself.
+    """The runtime adaptive batches run on: on a CPU, the worker's cores (``settings.threads``,
+    capserve.serving.workers) split between the batches in flight (``batches_for``; on 2 cores: one intra-op thread
+    each), so that the next batch starts while one runs and no run waits on a peer thread descheduled by another,
+    which costs less CPU per request than one batch at a time on all the cores (docs/benchmarks/serving.md). For
+    ONNX Runtime a second session of the same graph; for torch the same model run on fewer threads
+    (``TorchRuntime.with_threads``). Lone requests keep ``runtime`` and all the worker's cores (the lowest latency).
+    On a GPU: itself.
     """
-    if runtime.backend != "onnxruntime" or settings.device != "cpu":
+    if settings.device != "cpu" or runtime.backend not in ("onnxruntime", "torch"):
         return runtime
     threads = settings.threads or available_cores()
+    if runtime.backend == "torch":
+        return runtime.with_threads(max(1, threads // batches_for(threads)))  # type: ignore[attr-defined]
     batches = load_runtime(
         runtime.path, "onnxruntime", settings.device, threads=max(1, threads // batches_for(threads))
     )
@@ -126,8 +129,8 @@ class Batcher:
     ):
         self.runtime = batch_runtime(runtime, settings)
         self.settings, self.endpoint = settings, endpoint
-        apart = self.runtime is not runtime  # a session of its own (ONNX Runtime on a CPU): the worker's threads split
-        self.in_flight = batches_for(settings.threads or 1) if apart else 1  # else 1, BentoML's default
+        apart = self.runtime is not runtime  # on a CPU: the worker's threads split between batches
+        self.in_flight = batches_for(settings.threads or available_cores()) if apart else 1  # else 1, BentoML's
         self._infer, self._refuse_shed = infer, shed
         self.dispatcher: Any = None  # BentoML's CorkDispatcher, once started
         self._batched: Any = None

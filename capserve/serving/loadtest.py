@@ -35,12 +35,14 @@ async def load(
     endpoint: str = "/classify?top_k=1",
     batch: int = 1,
     seconds: float | None = None,
+    field: str | None = None,
 ) -> tuple[float, np.ndarray, dict[str, int]]:
     """``requests`` POSTs to ``endpoint`` (fewer when ``seconds`` pass first), at most ``concurrency`` in flight:
     (seconds taken, latencies in ms, errors by status or exception name).
 
     ``batch`` > 1: each request is multipart with ``batch`` images in the field ``images`` (/classify_batch);
-    otherwise one raw PNG body.
+    otherwise one PNG, multipart in the field ``field`` where one is named (as a browser's form sends it), else the
+    raw body.
     """
     import httpx  # a dependency of BentoML, which the server needs
 
@@ -64,6 +66,10 @@ async def load(
                             ("images", (f"{k}.png", bodies[(i + k) % len(bodies)], "image/png")) for k in range(batch)
                         ]
                         r = await client.post(endpoint, files=files)
+                    elif field:
+                        r = await client.post(
+                            endpoint, files={field: ("image.png", bodies[i % len(bodies)], "image/png")}
+                        )
                     else:
                         r = await client.post(
                             endpoint, content=bodies[i % len(bodies)], headers={"content-type": "image/png"}

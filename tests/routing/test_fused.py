@@ -224,3 +224,27 @@ def test_compiled_kernels_counts_the_shapes_or_says_compiling_failed(monkeypatch
     assert kernel.compiled_kernels() == 1
     kernel._FUSED_STATE["failed"] = True
     assert kernel.compiled_kernels() is None
+
+
+def test_a_kernel_is_compiled_per_intra_op_thread_count(monkeypatch):
+    """Inductor's loops run on the thread count of the thread that compiled them: a server's batches (one thread
+    each) and its lone requests (every thread) each get a kernel of their own, and reuse it."""
+    monkeypatch.setattr(kernel, "_FUSED_KERNELS", {})
+    monkeypatch.setattr(kernel, "_FUSED_STATE", {"failed": False})
+    compiled: list[int] = []
+
+    def compile_here(function, **options):
+        compiled.append(torch.get_num_threads())  # what inductor would specialise the loops for
+        return function
+
+    monkeypatch.setattr(torch, "compile", compile_here)
+    u, w, q = torch.randn(2, 3, 1, 4), torch.randn(3, 4, 4, 32), torch.randn(2, 1, 4, 32)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 1, 2):
+            torch.set_num_threads(threads)
+            torch.testing.assert_close(_fused(u, w, q), fused_block(u, w, q))
+    finally:
+        torch.set_num_threads(before)
+    assert compiled == [1, 2]
+    assert sorted(key[-1] for key in kernel._FUSED_KERNELS) == [1, 2]

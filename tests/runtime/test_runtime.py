@@ -11,6 +11,8 @@ import dataclasses
 import importlib.util
 import json
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -408,3 +410,40 @@ def test_torch_runtime_bf16_autocast_is_close_and_fp32_is_exact(tmp_path):
     assert 0 < np.abs(bf16 - expected).max() < 0.1  # autocast really ran, and stays close
     with pytest.raises(ValueError, match="precision"):
         load_runtime(tmp_path / "m", precision="int3")
+
+
+def test_torch_runtime_with_threads_runs_each_call_on_its_threads_whichever_thread_calls(tmp_path):
+    """A server runs batches on one thread each beside lone requests on every core, from whichever worker thread
+    takes them: torch keeps the count per calling thread, so each call sets its own."""
+    model = tiny_model("cifar10-resnet").cpu()
+    model.save(tmp_path / "m")
+    runtime = load_runtime(tmp_path / "m")
+    x = tiny_input(model, 4).cpu().numpy()
+    seen: list[int] = []
+    runtime.model.backbone.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    one, two = runtime.with_threads(1), runtime.with_threads(2)
+    assert one.model is runtime.model and two.model is runtime.model  # the weights are shared, not copied
+
+    def calls() -> None:
+        torch.set_num_threads(2)
+        one.predict(x)
+        two.infer(x)
+        one.infer(x)
+
+    caller = threading.Thread(target=calls)
+    caller.start()
+    caller.join()
+    assert seen == [1, 2, 1]
+    np.testing.assert_array_equal(one.predict(x), two.predict(x))
+
+
+def test_torch_batches_at_once_on_one_thread_each_answer_as_one_at_a_time(tmp_path):
+    model = tiny_model("cifar10-resnet").cpu()
+    model.save(tmp_path / "m")
+    runtime = load_runtime(tmp_path / "m").with_threads(1)
+    batches = [tiny_input(model, 8, seed=seed).cpu().numpy() for seed in range(4)]
+    expected = [runtime.predict(b) for b in batches]
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(runtime.predict, batches * 3))
+    for got, want in zip(answers, expected * 3, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

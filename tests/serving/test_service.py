@@ -78,7 +78,7 @@ def server(models, tmp_path_factory):
     try:
         wait_ready(proc, url, log)
         with httpx.Client(base_url=url, timeout=60) as client:
-            client.log_path, client.tmp = log, tmp  # for the log and second-server tests
+            client.log_path, client.tmp, client.pid = log, tmp, proc.pid  # for the log and second-server tests
             yield client
     finally:
         stop(proc)
@@ -764,6 +764,19 @@ def test_torch_backend_on_cuda_without_cuda_fails_startup_clearly(models, tmp_pa
         tmp_path, CAPSERVE_MODEL=str(models["cifar10"]), CAPSERVE_BACKEND="torch", CAPSERVE_DEVICE="cuda"
     )
     assert "this torch" in log and "use the onnxruntime backend" in log
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the worker's memory map in /proc")
+def test_the_server_parses_http_with_httptools_on_uvloop(server):
+    """uvicorn, under BentoML, takes httptools and uvloop where they are installed (capserve[serve] brings them):
+    less CPU per request on the event loop than h11 and asyncio (docs/benchmarks/serving.md)."""
+    import psutil
+
+    workers = psutil.Process(server.pid).children(recursive=True)
+    assert workers
+    for worker in workers:
+        loaded = Path(f"/proc/{worker.pid}/maps").read_text()
+        assert "httptools" in loaded and "uvloop" in loaded, worker.cmdline()
 
 
 # ------------------------------------------------------------------------------------------ settings, build

@@ -374,8 +374,9 @@ def test_a_batching_torch_server_builds_its_fused_routing_kernels_before_it_is_r
     assert compiled or fused._FUSED_STATE["failed"]  # failed: no C++ compiler here, and the server routes eagerly
     pixels = real_images.cifar10()[0][:8]
     with torch.inference_mode():
-        capsules.runtime.predict(normalize_images(pixels, capsules.runtime.metadata))  # torch: one runtime
-    assert set(fused._FUSED_KERNELS) == compiled  # a full batch later compiles nothing new
+        for runtime in (capsules.runtime, capsules.batchers[False].runtime):  # lone requests' threads, batches'
+            runtime.predict(normalize_images(pixels, runtime.metadata))
+    assert set(fused._FUSED_KERNELS) == compiled  # a full batch later compiles nothing new, on either's threads
 
 
 # ------------------------------------------------------------------------------------------ overload, start-up

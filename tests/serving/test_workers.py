@@ -121,6 +121,19 @@ def test_one_worker_sessions_use_its_share_of_the_cores(tiny_cifar10, given):
     assert (described["worker"], described["workers"], described["threads"]) == (1, 2, 2)
 
 
+def test_torch_batches_run_on_a_split_of_the_worker_cores_beside_lone_requests_on_all(tiny_cifar10):
+    """As with ONNX Runtime's sessions: two one-thread batches at once on a 2-thread share, and lone requests on both
+    threads; the same weights (no second copy of the model)."""
+    settings = Settings(model=str(tiny_cifar10), multilabel_model="none", backend="torch", precision="fp32")
+    capsules = Capsules(settings, worker=W.Worker(index=0, count=1, device="cpu", threads=2))
+    batches = capsules.batchers[False]
+    assert (capsules.runtime.threads, batches.runtime.threads, batches.in_flight) == (2, 1, 2)
+    assert batches.runtime.model is capsules.runtime.model
+    one = Capsules(settings, worker=W.Worker(index=0, count=2, device="cpu", threads=1))
+    assert (one.runtime.threads, one.batchers[False].runtime.threads, one.batchers[False].in_flight) == (1, 1, 1)
+    assert capsules.describe()["batching"]["batches_in_flight"] == 2
+
+
 # ------------------------------------------------------------------------------------------ GPU placement
 
 

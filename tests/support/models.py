@@ -1,13 +1,15 @@
-"""Tiny instances of every named configuration, and the device to test on."""
+"""Tiny instances of every named configuration, a short training run of one, and the device to test on."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import torch
 
 import capserve
+from capserve.train.config import TrainConfig
 
 DEVICE = torch.device(os.environ.get("CAPSERVE_TEST_DEVICE", "cpu"))
 
@@ -47,3 +49,9 @@ CNN_MODELS = [name for name in capserve.list_models() if not capserve.get_config
 
 def layer_norm(x):
     return torch.nn.functional.layer_norm(x, x.shape[-1:])
+
+
+def own_config(data: Path, out: Path, **kw) -> TrainConfig:
+    """One epoch of a tiny cifar10-conv on the CPU, on own data ``data``, into ``out`` (``kw`` override)."""
+    base = dict(model="cifar10-conv", overrides=tiny_overrides("cifar10-conv"), epochs=1, device="cpu", test=False)
+    return TrainConfig(data=str(data), out=str(out), **{**base, **kw})

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 from support.data import write_marks, write_strokes
-from support.models import tiny_overrides
+from support.models import own_config, tiny_overrides
 
 import capserve
 from capserve.cli import main
@@ -48,17 +48,6 @@ REASONS = {
     "backbone_depth",
     "mean_std",
 }
-
-
-@pytest.fixture(scope="module")
-def marks(tmp_path_factory) -> Path:
-    """Marks anywhere on noise: a run measures its class capsule transforms from them."""
-    return write_marks(tmp_path_factory.mktemp("marks") / "marks", 10, np.random.default_rng(0), placed=True)
-
-
-def own_config(data: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(model="cifar10-conv", overrides=tiny_overrides("cifar10-conv"), epochs=1, device="cpu", test=False)
-    return TrainConfig(data=str(data), out=str(out), **{**base, **kw})
 
 
 def built_configs(monkeypatch) -> list:

@@ -9,12 +9,9 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
-import pytest
 import torch
 from PIL import Image
-from support.data import write_marks
-from support.models import tiny_overrides
+from support.models import own_config
 
 import capserve
 import capserve.train.class_layer as class_layer
@@ -22,21 +19,10 @@ import capserve.train.few_images as few_images
 import capserve.train.plan as plan_module
 import capserve.train.rules as rules
 import capserve.train.stem as stem
-from capserve.train.config import TrainConfig, read_resume_config
+from capserve.train.config import read_resume_config
 from capserve.train.distributed import Dist
 from capserve.train.loop import train
 from capserve.train.plan import RESUMED, plan_run
-
-
-@pytest.fixture(scope="module")
-def marks(tmp_path_factory) -> Path:
-    """Marks anywhere on noise, 24 pixels a side: a run measures its class capsule transforms from them."""
-    return write_marks(tmp_path_factory.mktemp("marks") / "marks", 10, np.random.default_rng(0), placed=True)
-
-
-def own_config(data: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(model="cifar10-conv", overrides=tiny_overrides("cifar10-conv"), epochs=1, device="cpu", test=False)
-    return TrainConfig(data=str(data), out=str(out), **{**base, **kw})
 
 
 def grown(folder: Path, out: Path, side: int) -> Path:
