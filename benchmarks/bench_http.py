@@ -12,19 +12,19 @@ machine's cores with the server: on a small machine its own CPU time is part of 
     python benchmarks/bench_http.py --configs onnxruntime:fp32 torch:bf16 torch:fp32 --batching on --rss-requests 0
 
 First, the comparison with the alternatives a user could write, at each ``--table-configs`` precision (ONNX Runtime
-fp32; torch bf16 too on a CPU with native bf16), with ``wrk`` as the load generator (C, one thread: it takes little
-of the server's CPU; where wrk is not installed, capserve's Python load generator, named in the table's heading)
-POSTing one 32×32 PNG as multipart (``benchmarks/multipart.lua``) to one server at a time (the others paused with
-SIGSTOP), servers interleaved over ``--table-rounds`` rounds, medians printed: the raw runtime at batch 32
-in-process, then requests/s and p50 at each ``--table-concurrency`` (1, 32, 128; req/s at 32 also ÷ raw) and the
-server's CPU time per request at the largest (and its event loops' share; raw's CPU per image beside it), and for
-servers with several workers how the connections at c=32 fell to them, for plain FastAPI servers (one image per
-run, ``benchmarks/peers/fastapi_server.py``: ``/classify``, and ``/multilabel`` on the multi-label model; ONNX
-Runtime once with its default session options, once with those a careful user sets, ``intra_op_num_threads`` = the
-cores and ``inter_op_num_threads`` = 1; torch under ``inference_mode`` and autocast), LitServe with dynamic batching
-(max 32, 5 ms, ``benchmarks/peers/litserve_server.py``), and capserve's ``/classify`` and ``/multilabel`` with each
-``--table-workers`` count (CAPSERVE_WORKERS; 1 and 2) (each ``/multilabel`` against the multi-label model's raw
-figure). The peers are benchmark tools, not capserve dependencies. Set-up, once::
+fp32; the folder's INT8 graph where it has one; torch bf16 on a CPU with native bf16), with ``wrk`` as the load
+generator (C, one thread: it takes little of the server's CPU; where wrk is not installed, capserve's Python load
+generator, named in the table's heading) POSTing one 32×32 PNG as multipart (``benchmarks/multipart.lua``) to one
+server at a time (the others paused with SIGSTOP), servers interleaved over ``--table-rounds`` rounds, medians
+printed: the raw runtime at batch 32 in-process, then requests/s and p50 at each ``--table-concurrency`` (1, 32,
+128; req/s at 32 also ÷ raw) and the server's CPU time per request at the largest (and its event loops' share; raw's
+CPU per image beside it), and for servers with several workers how the connections at c=32 fell to them, for plain
+FastAPI servers (one image per run, ``benchmarks/peers/fastapi_server.py``: ``/classify``, and ``/multilabel`` on
+the multi-label model; ONNX Runtime once with its default session options, once with those a careful user sets,
+``intra_op_num_threads`` = the cores and ``inter_op_num_threads`` = 1; torch under ``inference_mode`` and autocast),
+LitServe with dynamic batching (max 32, 5 ms, ``benchmarks/peers/litserve_server.py``), and capserve's ``/classify``
+and ``/multilabel`` with each ``--table-workers`` count (CAPSERVE_WORKERS; 1 and 2) (each ``/multilabel`` against
+the multi-label model's raw figure). The peers are benchmark tools, not capserve dependencies. Set-up, once::
 
     apt-get install -y wrk                                  # or build it from https://github.com/wg/wrk
     .venv/bin/pip install fastapi uvicorn litserve           # the peers (a missing one is skipped with a note)
@@ -93,12 +93,15 @@ def pngs(count: int, size: int) -> list[bytes]:
     return out
 
 
+GRAPHS = {"fp32": "model.onnx", "int8": "model-int8.onnx"}  # ONNX Runtime's graph of each precision in a folder
+
+
 def open_runtime(model: Path, config: str, explain: bool = False) -> Runtime:
     """The runtime a server with ``config`` ("backend:precision") uses for predictions (or for /explain)."""
     backend, precision = config.split(":")
     if backend == "torch":
         return load_runtime(model, "torch", "cpu", precision=precision)
-    return load_runtime(model / ("model-explain.onnx" if explain else "model.onnx"), backend, "cpu")
+    return load_runtime(model / ("model-explain.onnx" if explain else GRAPHS[precision]), backend, "cpu")
 
 
 def interleaved(calls: dict[str, Callable[[], object]], seconds: float) -> dict[str, float]:
@@ -437,23 +440,25 @@ def peer_table(
     try:
         for config in configs:
             backend, precision = config.split(":")
-            label = "ORT" if backend == "onnxruntime" else f"torch {precision}"
             graph = backend == "onnxruntime"  # ONNX Runtime serves the graphs, torch the model folders
+            label = {"onnxruntime:fp32": "ORT"}.get(config, f"{'ORT' if graph else 'torch'} {precision}")
 
-            def served(folder: Path, graph: bool = graph) -> str:
-                return str(folder / "model.onnx" if graph else folder)
+            def served(folder: Path, graph: bool = graph, precision: str = precision) -> Path:
+                return folder / GRAPHS[precision] if graph else folder
 
+            # the multi-label model where it has this precision's graph (an INT8 graph passes its gate or is not there)
+            ml = multilabel if multilabel and served(multilabel).exists() else None
             fastapi_env = {
                 "PEER_BACKEND": backend,
                 "PEER_PRECISION": precision,
-                "PEER_MODEL": served(model),
-                **({"PEER_MULTILABEL_MODEL": served(multilabel)} if multilabel else {}),
+                "PEER_MODEL": str(served(model)),
+                **({"PEER_MULTILABEL_MODEL": str(served(ml))} if ml else {}),
             }
             candidates = [(f"FastAPI + {label}{' defaults' * graph}", "fastapi", fastapi, fastapi_env)]
             if graph:
                 careful = {**fastapi_env, "PEER_CAREFUL": "1"}
                 candidates.append((f"FastAPI + {label} intra=cores inter=1", "fastapi", fastapi, careful))
-            litserve = [python, str(PEERS / "litserve_server.py"), served(model)]
+            litserve = [python, str(PEERS / "litserve_server.py"), str(served(model))]
             peer_env = {"PEER_BACKEND": backend, "PEER_PRECISION": precision}
             candidates.append((f"LitServe + {label}, batching 32 / 5 ms", "litserve", litserve, peer_env))
             for name, module, command, env in candidates if peers else []:
@@ -469,22 +474,24 @@ def peer_table(
                     continue
                 started.append(peer)
                 servers[f"{name} /classify"] = (peer, "/classify", png, ("single", config))
-                if module == "fastapi" and multilabel:
+                if module == "fastapi" and ml:
                     servers[f"{name} /multilabel"] = (peer, "/multilabel", ml_png, ("multi", config))
+            # capserve serves the folders (the graphs' explanation graph beside them), an INT8 graph by its file
+            int8 = precision == "int8"
             for n in workers:
                 capserve = Server(
-                    model,
-                    multilabel,
+                    served(model) if int8 else model,
+                    (served(ml) if int8 else ml) if ml else None,
                     tmp,
                     CAPSERVE_MAX_BATCH_SIZE="32",
                     CAPSERVE_WORKERS=str(n),
                     CAPSERVE_BACKEND=backend,
-                    CAPSERVE_PRECISION=precision,
+                    **({"CAPSERVE_PRECISION": precision} if backend == "torch" else {}),
                 )
                 started.append(capserve)
                 row = f"capserve {label}, {n} worker{'s' * (n > 1)}"
                 servers[f"{row} /classify"] = (capserve, "/classify", png, ("single", config))
-                if multilabel:
+                if ml:
                     servers[f"{row} /multilabel"] = (capserve, "/multilabel", ml_png, ("multi", config))
         for server in started:
             pause(server.proc.pid, True)
@@ -614,19 +621,22 @@ def main() -> None:
     p.add_argument(
         "--table-configs",
         nargs="+",
-        default=["onnxruntime:fp32", "torch:bf16"] if native_bf16().native else ["onnxruntime:fp32"],
-        help="backend:precision pairs of the table: the peers and capserve at each (default: ONNX Runtime fp32, and "
-        "torch bf16 on a CPU with native bf16: %(default)s)",
+        help="backend:precision pairs of the table: the peers and capserve at each (default: onnxruntime:fp32, "
+        "onnxruntime:int8 where the model folder has an INT8 graph, torch:bf16 on a CPU with native bf16)",
     )
     args = p.parse_args()
-    for config in [*args.configs, *args.table_configs]:
-        backend, _, precision = config.partition(":")
-        if (
-            backend not in ("onnxruntime", "torch")
-            or precision not in ("fp32", "bf16")
-            or (backend == "onnxruntime" and precision != "fp32")
-        ):
-            p.error(f"{config}: use onnxruntime:fp32, torch:fp32 or torch:bf16")
+    if args.table_configs is None:
+        args.table_configs = ["onnxruntime:fp32"]
+        args.table_configs += ["onnxruntime:int8"] if (args.model / GRAPHS["int8"]).is_file() else []
+        args.table_configs += ["torch:bf16"] if native_bf16().native else []
+    for config in args.configs:
+        if config not in ("onnxruntime:fp32", "torch:fp32", "torch:bf16"):
+            p.error(f"--configs {config}: use onnxruntime:fp32, torch:fp32 or torch:bf16")
+    for config in args.table_configs:
+        if config not in ("onnxruntime:fp32", "onnxruntime:int8", "torch:fp32", "torch:bf16"):
+            p.error(f"--table-configs {config}: use onnxruntime:fp32, onnxruntime:int8, torch:fp32 or torch:bf16")
+        if config == "onnxruntime:int8" and not (args.model / GRAPHS["int8"]).is_file():
+            p.error(f"--table-configs {config}: {args.model} has no {GRAPHS['int8']} (capserve export onnx --int8)")
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

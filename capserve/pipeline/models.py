@@ -138,15 +138,12 @@ def _open(spec: str, settings: ModelOptions, explain: bool) -> tuple[Runtime, Ru
         log.warning("%s", warning)
     try:
         if settings.backend == "torch":
-            if settings.threads and settings.device == "cpu":
-                import torch
-
-                torch.set_num_threads(settings.threads)  # the worker's share of the cores (capserve.serving.workers)
             runtime, _ = open_torch(
                 path, settings.device, settings.iterations, settings.precision, settings.bf16_min_agreement
             )
             if settings.threads and settings.device == "cpu":
-                runtime = runtime.with_threads(settings.threads)  # type: ignore[attr-defined]  # in every thread
+                # the worker's share of the cores (capserve.serving.workers), in whichever thread calls it
+                runtime = runtime.with_threads(settings.threads)  # type: ignore[attr-defined]
             return runtime, runtime if explain and has_routing(runtime) else None, source
         # a tuned file may choose another graph in the folder for onnxruntime (an INT8 one, capserve.serving.tuned)
         named = settings.artifact if settings.backend == "onnxruntime" else None

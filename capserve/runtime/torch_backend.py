@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -89,18 +90,25 @@ class TorchRuntime(Runtime):
         makes them: e.g. two batches at once, one thread each, beside lone requests on every core.
 
         Torch keeps the intra-op thread count per calling thread (OpenMP's is a thread's own setting), so each call
-        sets its caller's count before it runs: a server's worker threads take batches and lone requests alike."""
+        sets its caller's count while it runs: a server's worker threads take batches and lone requests alike."""
         other = copy.copy(self)
         other.threads = threads
         return other
 
-    def _running(self) -> torch.autocast | nullcontext:
-        """What one call runs under: the calling thread's intra-op threads set (``with_threads``), and autocast."""
-        if self.threads and self.device.type == "cpu" and torch.get_num_threads() != self.threads:
+    @contextmanager
+    def _running(self) -> Iterator[None]:
+        """What one call runs under: ``threads`` intra-op threads in the calling thread (its own count back
+        afterwards: the caller's setting is not this runtime's to keep), and autocast."""
+        before = torch.get_num_threads()
+        switch = bool(self.threads) and self.device.type == "cpu" and before != self.threads
+        if switch:
             torch.set_num_threads(self.threads)
-        if self.autocast is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast)
+        try:
+            with nullcontext() if self.autocast is None else torch.autocast(self.device.type, dtype=self.autocast):
+                yield
+        finally:
+            if switch:
+                torch.set_num_threads(before)
 
     @torch.inference_mode()
     def _predict(self, batch: np.ndarray) -> np.ndarray:

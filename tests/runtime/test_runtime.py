@@ -414,7 +414,8 @@ def test_torch_runtime_bf16_autocast_is_close_and_fp32_is_exact(tmp_path):
 
 def test_torch_runtime_with_threads_runs_each_call_on_its_threads_whichever_thread_calls(tmp_path):
     """A server runs batches on one thread each beside lone requests on every core, from whichever worker thread
-    takes them: torch keeps the count per calling thread, so each call sets its own."""
+    takes them: torch keeps the count per calling thread, so each call sets its own, and gives the caller's back
+    (a training run in the same process keeps its threads, and with them its bit-exact sums)."""
     model = tiny_model("cifar10-resnet").cpu()
     model.save(tmp_path / "m")
     runtime = load_runtime(tmp_path / "m")
@@ -424,16 +425,20 @@ def test_torch_runtime_with_threads_runs_each_call_on_its_threads_whichever_thre
     one, two = runtime.with_threads(1), runtime.with_threads(2)
     assert one.model is runtime.model and two.model is runtime.model  # the weights are shared, not copied
 
+    after: list[int] = []
+
     def calls() -> None:
         torch.set_num_threads(2)
         one.predict(x)
         two.infer(x)
         one.infer(x)
+        after.append(torch.get_num_threads())
 
     caller = threading.Thread(target=calls)
     caller.start()
     caller.join()
     assert seen == [1, 2, 1]
+    assert after == [2]  # the caller's own count, back after each call
     np.testing.assert_array_equal(one.predict(x), two.predict(x))
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from support.gpu import fake_tensorrt, strict_cuda, strict_onnxruntime_cuda
 from support.server import (
     failed_start,
@@ -125,6 +126,7 @@ def test_torch_batches_run_on_a_split_of_the_worker_cores_beside_lone_requests_o
     """As with ONNX Runtime's sessions: two one-thread batches at once on a 2-thread share, and lone requests on both
     threads; the same weights (no second copy of the model)."""
     settings = Settings(model=str(tiny_cifar10), multilabel_model="none", backend="torch", precision="fp32")
+    threads = torch.get_num_threads()
     capsules = Capsules(settings, worker=W.Worker(index=0, count=1, device="cpu", threads=2))
     batches = capsules.batchers[False]
     assert (capsules.runtime.threads, batches.runtime.threads, batches.in_flight) == (2, 1, 2)
@@ -132,6 +134,7 @@ def test_torch_batches_run_on_a_split_of_the_worker_cores_beside_lone_requests_o
     one = Capsules(settings, worker=W.Worker(index=0, count=2, device="cpu", threads=1))
     assert (one.runtime.threads, one.batchers[False].runtime.threads, one.batchers[False].in_flight) == (1, 1, 1)
     assert capsules.describe()["batching"]["batches_in_flight"] == 2
+    assert torch.get_num_threads() == threads  # opening and warming up left this thread's count alone
 
 
 # ------------------------------------------------------------------------------------------ GPU placement
